@@ -1,0 +1,484 @@
+// CUDA kernels. Row layout: a stable CUB radix sort of (batch, local expert) keys, then
+// one pass that turns sorted positions into rows. Data movement: one block per token or
+// per output row, 16-byte vector accesses where rows are aligned, float32 accumulation.
+#include "cuda_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cub/cub.cuh>
+
+#include "moe_index.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1 << 20;  // grid-stride loops cover anything larger
+
+int blocks_for(int64_t items, int per_block = kThreads) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (items + per_block - 1) / per_block)));
+}
+
+// ---- element conversions ---------------------------------------------------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_f32(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+template <typename T> struct Tag { using type = T; };
+
+template <typename F>
+void visit_input(Dtype d, F&& f) {
+  switch (d) {
+    case Dtype::kF32: return f(Tag<float>{});
+    case Dtype::kBF16: return f(Tag<__nv_bfloat16>{});
+    case Dtype::kF16: return f(Tag<__half>{});
+    case Dtype::kF8E4M3FN: return f(Tag<__nv_fp8_e4m3>{});
+    case Dtype::kF8E5M2: return f(Tag<__nv_fp8_e5m2>{});
+  }
+}
+template <typename F>
+void visit_output(Dtype d, F&& f) {
+  switch (d) {
+    case Dtype::kBF16: return f(Tag<__nv_bfloat16>{});
+    case Dtype::kF16: return f(Tag<__half>{});
+    default: return f(Tag<float>{});
+  }
+}
+
+// V consecutive elements moved as one aligned access (V = 16 bytes / element, or 1).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec { T v[V]; };
+
+template <typename T, int V>
+__device__ __forceinline__ void load_f32(const T* p, float (&f)[V]) {
+  const Vec<T, V> x = *reinterpret_cast<const Vec<T, V>*>(p);
+#pragma unroll
+  for (int i = 0; i < V; ++i) f[i] = to_f32(x.v[i]);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_f32(T* p, const float (&f)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) p[i] = from_f32<T>(f[i]);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+__device__ __forceinline__ float weight_at(const void* w, Dtype d, int64_t i) {
+  if (w == nullptr) return 1.0f;
+  switch (d) {
+    case Dtype::kBF16: return to_f32(static_cast<const __nv_bfloat16*>(w)[i]);
+    case Dtype::kF16: return to_f32(static_cast<const __half*>(w)[i]);
+    default: return static_cast<const float*>(w)[i];
+  }
+}
+
+__device__ __forceinline__ int64_t lower_bound(const uint32_t* keys, int64_t n, uint64_t key) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (keys[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+int key_bits(uint64_t max_key) {
+  int bits = 1;
+  while (bits < 32 && (max_key >> bits) != 0) ++bits;
+  return bits;
+}
+
+// ---- workspace ---------------------------------------------------------------------------
+// Sorted-key workspace: keys and values in and out, then `extra` int32s, then CUB's storage.
+struct SortSpace {
+  uint32_t *keys_in, *keys_out, *vals_in, *vals_out;
+  int32_t* extra;
+  void* cub_temp;
+  size_t cub_bytes;
+};
+
+int64_t pad256(int64_t b) { return (b + 255) / 256 * 256; }
+
+cudaError_t cub_sort_bytes(int64_t items, int bits, size_t* bytes) {
+  return cub::DeviceRadixSort::SortPairs(nullptr, *bytes, static_cast<uint32_t*>(nullptr),
+                                         static_cast<uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                                         static_cast<uint32_t*>(nullptr), static_cast<int>(items), 0, bits);
+}
+
+cudaError_t sort_space_bytes(int64_t items, int64_t extra, int bits, int64_t* bytes) {
+  size_t cub_bytes = 0;
+  if (cudaError_t err = cub_sort_bytes(items, bits, &cub_bytes); err != cudaSuccess) return err;
+  *bytes = 4 * pad256(4 * items) + pad256(4 * extra) + pad256(static_cast<int64_t>(cub_bytes));
+  return cudaSuccess;
+}
+
+SortSpace carve(void* ws, int64_t items, int64_t extra, size_t cub_bytes) {
+  char* p = static_cast<char*>(ws);
+  SortSpace s;
+  uint32_t** arrays[4] = {&s.keys_in, &s.keys_out, &s.vals_in, &s.vals_out};
+  for (uint32_t** a : arrays) { *a = reinterpret_cast<uint32_t*>(p); p += pad256(4 * items); }
+  s.extra = reinterpret_cast<int32_t*>(p);
+  p += pad256(4 * extra);
+  s.cub_temp = p;
+  s.cub_bytes = cub_bytes;
+  return s;
+}
+
+cudaError_t run_sort(const SortSpace& s, int64_t items, int bits, cudaStream_t stream) {
+  if (items == 0) return cudaSuccess;
+  size_t bytes = s.cub_bytes;
+  return cub::DeviceRadixSort::SortPairs(s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
+                                         static_cast<int>(items), 0, bits, stream);
+}
+
+#define MOE_CHECK_LAUNCH()                                        \
+  do {                                                            \
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) \
+      return err;                                                 \
+  } while (0)
+
+// ---- permute -----------------------------------------------------------------------------
+__global__ void expert_keys_kernel(const int32_t* ids, int64_t ids_bstride, const int32_t* map,
+                                   int64_t map_bstride, int64_t entries, int64_t total, int64_t num_experts,
+                                   int32_t num_local, uint32_t* keys, uint32_t* vals) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / entries, j = i % entries;
+    const int32_t e = local_expert(ids[b * ids_bstride + j], map ? map + b * map_bstride : nullptr,
+                                   num_experts, num_local);
+    keys[i] = static_cast<uint32_t>(b * (num_local + 1) + e);
+    vals[i] = static_cast<uint32_t>(i);
+  }
+}
+
+// One block per example: expert segment bounds in the sorted keys, then block starts.
+// seg: [B, L+2] segment bounds; starts: [B, L+1] first row of each block, then the total.
+__global__ void expert_layout_kernel(const uint32_t* sorted_keys, int64_t total, int32_t num_local,
+                                     int64_t align, int32_t* seg, int32_t* starts, int32_t* group_sizes) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t carry;
+  const int64_t b = blockIdx.x, L = num_local;
+  int32_t* my_seg = seg + b * (L + 2);
+  for (int64_t e = threadIdx.x; e <= L + 1; e += blockDim.x)
+    my_seg[e] = static_cast<int32_t>(lower_bound(sorted_keys, total, uint64_t(b * (L + 1) + e)));
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t e0 = 0; e0 < L; e0 += blockDim.x) {
+    const int64_t e = e0 + threadIdx.x;
+    const int64_t padded = e < L ? round_up(my_seg[e + 1] - my_seg[e], align) : 0;
+    int64_t offset, chunk_total;
+    Scan(scan_storage).ExclusiveSum(padded, offset, chunk_total);
+    if (e < L) {
+      starts[b * (L + 1) + e] = static_cast<int32_t>(carry + offset);
+      group_sizes[b * L + e] = static_cast<int32_t>(padded);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry += chunk_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) starts[b * (L + 1) + L] = static_cast<int32_t>(carry);
+}
+
+__global__ void assign_rows_kernel(const uint32_t* sorted_keys, const uint32_t* sorted_vals, int64_t total,
+                                   int32_t num_local, const int32_t* seg, const int32_t* starts,
+                                   int32_t* row_map) {
+  const int64_t L = num_local;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < total; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t key = sorted_keys[p], b = key / (L + 1), e = key % (L + 1);
+    row_map[sorted_vals[p]] = e == L ? -1 : static_cast<int32_t>(starts[b * (L + 1) + e] + (p - seg[b * (L + 2) + e]));
+  }
+}
+
+// One block per token: its row is read once and written to each of its K rows.
+template <typename V>
+__global__ void copy_rows_kernel(const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map,
+                                 int64_t tokens, int64_t topk, int64_t batch, int64_t rows, int64_t row_bytes,
+                                 char* out) {
+  const int64_t nvec = row_bytes / sizeof(V);
+  for (int64_t g = blockIdx.x; g < batch * tokens; g += gridDim.x) {
+    const int64_t b = g / tokens, t = g % tokens;
+    const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes + t * row_bytes);
+    const int32_t* rm = row_map + g * topk;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const V value = src[v];
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t r = rm[k];
+        if (r >= 0) reinterpret_cast<V*>(out + (b * rows + r) * row_bytes)[v] = value;
+      }
+    }
+  }
+}
+
+// One warp per output row: zero the rows that hold no entry (block padding, tail).
+template <typename V>
+__global__ void zero_padding_kernel(const int32_t* seg, const int32_t* starts, int32_t num_local, int64_t batch,
+                                    int64_t rows, int64_t row_bytes, char* out) {
+  const int64_t L = num_local, nvec = row_bytes / sizeof(V);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; w < batch * rows; w += warps) {
+    const int64_t b = w / rows, r = w % rows;
+    const int32_t* st = starts + b * (L + 1);
+    int64_t lo = 0, hi = L;  // the last j in [0, L] with st[j] <= r
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (st[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    const bool padding = lo == L || r >= st[lo] + (seg[b * (L + 2) + lo + 1] - seg[b * (L + 2) + lo]);
+    if (!padding) continue;
+    V* dst = reinterpret_cast<V*>(out + w * row_bytes);
+    for (int64_t v = lane; v < nvec; v += 32) dst[v] = V{};
+  }
+}
+
+// The widest access (up to 16 bytes) that divides the row and every base address.
+template <typename F>
+cudaError_t with_access_type(int64_t row_bytes, std::initializer_list<const void*> ptrs, F&& f) {
+  uintptr_t bits = static_cast<uintptr_t>(row_bytes);
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  if (bits % 16 == 0) return f(Tag<uint4>{});
+  if (bits % 8 == 0) return f(Tag<uint2>{});
+  if (bits % 4 == 0) return f(Tag<uint32_t>{});
+  if (bits % 2 == 0) return f(Tag<uint16_t>{});
+  return f(Tag<uint8_t>{});
+}
+
+// ---- unpermute ---------------------------------------------------------------------------
+template <typename X, typename O, int V>
+__global__ void unpermute_kernel(UnpermuteArgs a) {
+  const X* xs = static_cast<const X*>(a.x);
+  O* out = static_cast<O*>(a.out);
+  const int64_t H = a.hidden_size, K = a.topk;
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g % a.tokens;
+    const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
+    const X* x = xs + b * a.x_bstride;
+    const int64_t wbase = b * a.w_bstride + t * K;
+    for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
+      float acc[V] = {};
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = rm[k];
+        if (r < 0 || r >= a.rows) continue;
+        const float w = weight_at(a.weights, a.w_dtype, wbase + k);
+        float f[V];
+        load_f32<X, V>(x + r * H + h, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += w * f[i];
+      }
+      store_f32<O, V>(out + g * H + h, acc);
+    }
+  }
+}
+
+// ---- scatter -----------------------------------------------------------------------------
+__global__ void row_keys_kernel(const int32_t* row_map, int64_t rm_bstride, int64_t entries, int64_t total,
+                                int64_t rows, uint32_t* keys, uint32_t* vals) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / entries, r = row_map[b * rm_bstride + i % entries];
+    keys[i] = static_cast<uint32_t>(b * (rows + 1) + ((r < 0 || r >= rows) ? rows : r));
+    vals[i] = static_cast<uint32_t>(i);
+  }
+}
+
+__global__ void segment_bounds_kernel(const uint32_t* sorted_keys, int64_t total, int64_t num_keys, int32_t* seg) {
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q <= num_keys; q += int64_t(gridDim.x) * blockDim.x)
+    seg[q] = static_cast<int32_t>(lower_bound(sorted_keys, total, q));
+}
+
+// One block per output row: the weighted sum of its entries, in ascending flat index.
+template <typename X, typename O, int V>
+__global__ void gather_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals, const int32_t* seg) {
+  const X* xs = static_cast<const X*>(a.x);
+  O* out = static_cast<O*>(a.out);
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.tokens * a.topk;
+  for (int64_t g = blockIdx.x; g < a.batch * R; g += gridDim.x) {
+    const int64_t b = g / R, r = g % R;
+    const int64_t begin = seg[b * (R + 1) + r], end = seg[b * (R + 1) + r + 1];
+    for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
+      float acc[V] = {};
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
+        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+        float f[V];
+        load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
+      }
+      store_f32<O, V>(out + g * H + h, acc);
+    }
+  }
+}
+
+// ---- weight gradient ---------------------------------------------------------------------
+template <typename C, typename X, int V>
+__global__ void weight_grad_kernel(WeightGradArgs a) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const int64_t H = a.hidden_size, K = a.topk;
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g % a.tokens;
+    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
+    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+    const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = rm[k];
+      const bool valid = r >= 0 && r < a.rows;
+      float partial = 0.0f;
+      if (valid) {
+        for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
+          float c[V], f[V];
+          load_f32<C, V>(ct + h, c);
+          load_f32<X, V>(x + r * H + h, f);
+#pragma unroll
+          for (int i = 0; i < V; ++i) partial += c[i] * f[i];
+        }
+      }
+      const float dot = Reduce(storage).Sum(partial);
+      if (threadIdx.x == 0) {
+        float d[1] = {valid ? dot : 0.0f};
+        switch (a.out_dtype) {
+          case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g * K + k, d); break;
+          case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g * K + k, d); break;
+          default: store_f32<float, 1>(static_cast<float*>(a.out) + g * K + k, d);
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t permute_workspace_bytes(int64_t batch, int64_t entries, int64_t num_local, int64_t* bytes) {
+  const int64_t items = batch * entries;
+  const int64_t extra = batch * (num_local + 2) + batch * (num_local + 1);
+  return sort_space_bytes(items, extra, key_bits(uint64_t(batch) * (num_local + 1) - 1), bytes);
+}
+
+cudaError_t scatter_workspace_bytes(int64_t batch, int64_t entries, int64_t rows, int64_t* bytes) {
+  const int64_t items = batch * entries;
+  return sort_space_bytes(items, batch * (rows + 1) + 1, key_bits(uint64_t(batch) * (rows + 1) - 1), bytes);
+}
+
+cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, total = a.batch * n, L = a.num_local;
+  const int bits = key_bits(uint64_t(a.batch) * (L + 1) - 1);
+  const int64_t extra = a.batch * (L + 2) + a.batch * (L + 1);
+  size_t cub_bytes = 0;
+  if (cudaError_t err = cub_sort_bytes(total, bits, &cub_bytes); err != cudaSuccess) return err;
+  SortSpace s = carve(a.workspace, total, extra, cub_bytes);
+  int32_t* seg = s.extra;
+  int32_t* starts = seg + a.batch * (L + 2);
+  if (total > 0) {
+    expert_keys_kernel<<<blocks_for(total), kThreads, 0, stream>>>(a.ids, a.ids_bstride, a.expert_map,
+                                                                   a.map_bstride, n, total, a.num_experts,
+                                                                   a.num_local, s.keys_in, s.vals_in);
+    MOE_CHECK_LAUNCH();
+    if (cudaError_t err = run_sort(s, total, bits, stream); err != cudaSuccess) return err;
+  }
+  if (a.batch > 0) {
+    expert_layout_kernel<<<static_cast<int>(a.batch), kThreads, 0, stream>>>(s.keys_out, total, a.num_local,
+                                                                             a.align, seg, starts, a.group_sizes);
+    MOE_CHECK_LAUNCH();
+  }
+  if (total == 0) return cudaSuccess;
+  assign_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(s.keys_out, s.vals_out, total, a.num_local, seg,
+                                                                 starts, a.row_map);
+  MOE_CHECK_LAUNCH();
+  const int64_t row_bytes = a.hidden_size * a.elem_bytes;
+  if (row_bytes == 0) return cudaSuccess;
+  return with_access_type(row_bytes, {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
+    using V = typename decltype(tag)::type;
+    copy_rows_kernel<V><<<blocks_for(a.batch * a.tokens, 1), 128, 0, stream>>>(
+        static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, a.row_map, a.tokens, a.topk,
+        a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
+    MOE_CHECK_LAUNCH();
+    zero_padding_kernel<V><<<blocks_for(a.batch * a.rows, kThreads / 32), kThreads, 0, stream>>>(
+        seg, starts, a.num_local, a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
+    MOE_CHECK_LAUNCH();
+    return cudaSuccess;
+  });
+}
+
+cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
+  if (a.batch * a.tokens == 0 || a.hidden_size == 0) return cudaSuccess;
+  cudaError_t result = cudaSuccess;
+  visit_input(a.x_dtype, [&](auto xtag) {
+    using X = typename decltype(xtag)::type;
+    visit_output(a.out_dtype, [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      constexpr int kVec = 16 / sizeof(X);
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
+                       reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
+      const int grid = blocks_for(a.batch * a.tokens, 1);
+      if (vec) unpermute_kernel<X, O, kVec><<<grid, 128, 0, stream>>>(a);
+      else unpermute_kernel<X, O, 1><<<grid, 128, 0, stream>>>(a);
+      result = cudaGetLastError();
+    });
+  });
+  return result;
+}
+
+cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, total = a.batch * n, R = a.rows;
+  if (a.batch * R == 0) return cudaSuccess;
+  if (uint64_t(a.batch) * (R + 1) >= (uint64_t(1) << 31)) return cudaErrorInvalidValue;
+  const int64_t num_keys = a.batch * (R + 1);
+  const int bits = key_bits(uint64_t(num_keys) - 1);
+  size_t cub_bytes = 0;
+  if (cudaError_t err = cub_sort_bytes(total, bits, &cub_bytes); err != cudaSuccess) return err;
+  SortSpace s = carve(a.workspace, total, num_keys + 1, cub_bytes);
+  if (total > 0) {
+    row_keys_kernel<<<blocks_for(total), kThreads, 0, stream>>>(a.row_map, a.rm_bstride, n, total, R, s.keys_in,
+                                                                s.vals_in);
+    MOE_CHECK_LAUNCH();
+    if (cudaError_t err = run_sort(s, total, bits, stream); err != cudaSuccess) return err;
+  }
+  segment_bounds_kernel<<<blocks_for(num_keys + 1), kThreads, 0, stream>>>(s.keys_out, total, num_keys, s.extra);
+  MOE_CHECK_LAUNCH();
+  if (a.hidden_size == 0) return cudaSuccess;
+  cudaError_t result = cudaSuccess;
+  visit_input(a.x_dtype, [&](auto xtag) {
+    using X = typename decltype(xtag)::type;
+    visit_output(a.out_dtype, [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      constexpr int kVec = 16 / sizeof(X);
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
+                       reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
+      const int grid = blocks_for(a.batch * R, 1);
+      if (vec) gather_rows_kernel<X, O, kVec><<<grid, 128, 0, stream>>>(a, s.vals_out, s.extra);
+      else gather_rows_kernel<X, O, 1><<<grid, 128, 0, stream>>>(a, s.vals_out, s.extra);
+      result = cudaGetLastError();
+    });
+  });
+  return result;
+}
+
+cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
+  if (a.batch * a.tokens * a.topk == 0) return cudaSuccess;
+  cudaError_t result = cudaSuccess;
+  visit_input(a.ct_dtype, [&](auto ctag) {
+    using C = typename decltype(ctag)::type;
+    visit_input(a.x_dtype, [&](auto xtag) {
+      using X = typename decltype(xtag)::type;
+      constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x);
+      const int grid = blocks_for(a.batch * a.tokens, 1);
+      if (vec) weight_grad_kernel<C, X, kVec><<<grid, kThreads, 0, stream>>>(a);
+      else weight_grad_kernel<C, X, 1><<<grid, kThreads, 0, stream>>>(a);
+      result = cudaGetLastError();
+    });
+  });
+  return result;
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,23 @@
+// CUDA implementations of the four operations (see kernel_args.h for their contracts).
+// Every launcher enqueues on `stream`, never synchronises, and returns the first CUDA error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernel_args.h"
+
+namespace moe::cuda {
+
+// Workspace bytes each operation needs (the FFI handler receives it as an extra result).
+// Both ask CUB for its sort's temporary storage, so they need a visible CUDA device.
+cudaError_t permute_workspace_bytes(int64_t batch, int64_t entries, int64_t num_local, int64_t* bytes);
+cudaError_t scatter_workspace_bytes(int64_t batch, int64_t entries, int64_t rows, int64_t* bytes);
+
+cudaError_t permute(const PermuteArgs& a, cudaStream_t stream);
+cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream);
+cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream);
+cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream);
+
+}  // namespace moe::cuda

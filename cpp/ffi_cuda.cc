@@ -1,0 +1,79 @@
+// XLA FFI handlers for the CUDA platform: decode, launch on XLA's stream, report errors.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda_kernels.h"
+#include "ffi_decode.h"
+#include "ffi_handlers.h"
+
+namespace moe {
+namespace {
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+ffi::Error cuda_error(cudaError_t err, const char* op) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_moe_permute: ") + op + ": " + cudaGetErrorString(err));
+}
+
+ffi::Error PermuteCuda(cudaStream_t stream, ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer expert_map,
+                       int64_t num_experts, int64_t num_local, int64_t align, int64_t has_map,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<I32Buffer> group_sizes,
+                       ffi::Result<I32Buffer> row_map, ffi::Result<ffi::AnyBuffer> workspace) {
+  PermuteArgs a;
+  if (auto err = decode_permute(hidden, ids, expert_map, num_experts, num_local, align, has_map, *out,
+                                *group_sizes, *row_map, *workspace, &a);
+      !err.success())
+    return err;
+  int64_t needed = 0;
+  if (auto err = cuda_error(cuda::permute_workspace_bytes(a.batch, a.tokens * a.topk, num_local, &needed),
+                            "permute workspace");
+      !err.success())
+    return err;
+  if (a.workspace_bytes < needed) return invalid("permute: workspace too small");
+  return cuda_error(cuda::permute(a, stream), "permute");
+}
+
+ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                         int64_t has_weights, ffi::Result<ffi::AnyBuffer> out) {
+  UnpermuteArgs a;
+  if (auto err = decode_unpermute(x, row_map, weights, has_weights, *out, &a); !err.success()) return err;
+  return cuda_error(cuda::unpermute(a, stream), "unpermute");
+}
+
+ffi::Error ScatterCuda(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                       int64_t has_weights, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> workspace) {
+  ScatterArgs a;
+  if (auto err = decode_scatter(x, row_map, weights, has_weights, *out, *workspace, &a); !err.success())
+    return err;
+  int64_t needed = 0;
+  if (auto err = cuda_error(cuda::scatter_workspace_bytes(a.batch, a.tokens * a.topk, a.rows, &needed),
+                            "scatter workspace");
+      !err.success())
+    return err;
+  if (a.workspace_bytes < needed) return invalid("scatter: workspace too small");
+  return cuda_error(cuda::scatter(a, stream), "scatter");
+}
+
+ffi::Error WeightGradCuda(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  WeightGradArgs a;
+  if (auto err = decode_weight_grad(ct, x, row_map, *out, &a); !err.success()) return err;
+  return cuda_error(cuda::weight_grad(a, stream), "weight_grad");
+}
+
+}  // namespace
+}  // namespace moe
+
+// No host synchronisation and no allocation: XLA may capture these in CUDA graphs.
+#define MOE_CUDA_BINDING(bind) bind(xla::ffi::Ffi::Bind().Ctx<moe::Stream>())
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteCuda, moe::PermuteCuda, MOE_CUDA_BINDING(moe::bind_permute),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCuda, moe::UnpermuteCuda, MOE_CUDA_BINDING(moe::bind_unpermute),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeScatterCuda, moe::ScatterCuda, MOE_CUDA_BINDING(moe::bind_scatter),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGradCuda, moe::WeightGradCuda, MOE_CUDA_BINDING(moe::bind_weight_grad),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

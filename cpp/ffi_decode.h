@@ -1,0 +1,186 @@
+// Turns the XLA FFI buffers of each operation into the kernel argument structs, checking
+// every shape once; shared by the CPU (ffi_cpu.cc) and CUDA (ffi_cuda.cc) handlers, which
+// differ only in the execution context they bind and the kernels they call.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kernel_args.h"
+#include "moe_index.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace moe {
+
+namespace ffi = xla::ffi;
+using I32Buffer = ffi::Buffer<ffi::S32>;
+
+inline std::optional<Dtype> float_dtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return Dtype::kF32;
+    case ffi::DataType::BF16: return Dtype::kBF16;
+    case ffi::DataType::F16: return Dtype::kF16;
+    case ffi::DataType::F8E4M3FN: return Dtype::kF8E4M3FN;
+    case ffi::DataType::F8E5M2: return Dtype::kF8E5M2;
+    default: return std::nullopt;
+  }
+}
+
+inline ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_moe_permute: " + what);
+}
+
+// The batch stride of an operand whose leading extent must be 1 or `batch`.
+inline std::optional<int64_t> stride_of(ffi::Span<const int64_t> dims, int64_t batch, int64_t per_example) {
+  if (dims[0] != 1 && dims[0] != batch) return std::nullopt;
+  return dims[0] == 1 ? 0 : per_example;
+}
+
+#define MOE_STRIDE(var, buf, per_example)                               \
+  int64_t var;                                                          \
+  {                                                                     \
+    auto s = stride_of((buf).dimensions(), batch, (per_example));       \
+    if (!s) return invalid(#buf " batch extent is neither 1 nor the batch"); \
+    var = *s;                                                           \
+  }
+
+inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer expert_map,
+                                 int64_t num_experts, int64_t num_local, int64_t align, int64_t has_map,
+                                 ffi::AnyBuffer out, I32Buffer group_sizes, I32Buffer row_map,
+                                 ffi::AnyBuffer workspace, PermuteArgs* a) {
+  if (hidden.dimensions().size() != 3 || ids.dimensions().size() != 3 ||
+      expert_map.dimensions().size() != 2 || out.dimensions().size() != 3)
+    return invalid("permute expects hidden [B,T,H], topk_ids [B,T,K], expert_map [B,E]");
+  const int64_t batch = out.dimensions()[0], T = ids.dimensions()[1], K = ids.dimensions()[2];
+  const int64_t H = hidden.dimensions()[2];
+  if (!float_dtype(hidden.element_type()) || out.element_type() != hidden.element_type())
+    return invalid("permute: unsupported hidden dtype");
+  if (hidden.dimensions()[1] != T) return invalid("permute: hidden and topk_ids disagree on T");
+  if (has_map && expert_map.dimensions()[1] != num_experts) return invalid("permute: expert_map is not [E]");
+  if (num_experts < 1 || num_local < 1 || align < 1) return invalid("permute: bad static parameters");
+  if (out.dimensions()[1] != permuted_rows(T * K, num_local, align) || out.dimensions()[2] != H)
+    return invalid("permute: output shape does not match the row-count formula");
+  MOE_STRIDE(hidden_stride, hidden, T * H);
+  MOE_STRIDE(ids_stride, ids, T * K);
+  MOE_STRIDE(map_stride, expert_map, num_experts);
+  *a = PermuteArgs{hidden.untyped_data(), hidden_stride, ids.typed_data(), ids_stride,
+                   has_map ? expert_map.typed_data() : nullptr, map_stride,
+                   batch, T, K, H, static_cast<int64_t>(ffi::ByteWidth(hidden.element_type())),
+                   num_experts, static_cast<int32_t>(num_local), align, out.dimensions()[1],
+                   out.untyped_data(), group_sizes.typed_data(), row_map.typed_data(),
+                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                   int64_t has_weights, ffi::AnyBuffer out, UnpermuteArgs* a) {
+  if (x.dimensions().size() != 3 || row_map.dimensions().size() != 3 ||
+      weights.dimensions().size() != 3 || out.dimensions().size() != 3)
+    return invalid("unpermute expects expert_out [B,R,H], row_map [B,T,K], weights [B,T,K]");
+  const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
+  const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
+  auto xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
+       od = float_dtype(out.element_type());
+  if (!xd || !wd || !od) return invalid("unpermute: unsupported dtype");
+  if (out.dimensions()[1] != T || out.dimensions()[2] != H) return invalid("unpermute: bad output shape");
+  MOE_STRIDE(x_stride, x, R * H);
+  MOE_STRIDE(rm_stride, row_map, T * K);
+  MOE_STRIDE(w_stride, weights, T * K);
+  *a = UnpermuteArgs{x.untyped_data(), *xd, x_stride, R, row_map.typed_data(), rm_stride,
+                     has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
+                     batch, T, K, H, out.untyped_data(), *od};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                 int64_t has_weights, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
+                                 ScatterArgs* a) {
+  if (x.dimensions().size() != 3 || row_map.dimensions().size() != 3 ||
+      weights.dimensions().size() != 3 || out.dimensions().size() != 3)
+    return invalid("scatter expects x [B,T,H], row_map [B,T,K], weights [B,T,K]");
+  const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
+  const int64_t H = x.dimensions()[2], R = out.dimensions()[1];
+  auto xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
+       od = float_dtype(out.element_type());
+  if (!xd || !wd || !od) return invalid("scatter: unsupported dtype");
+  if (x.dimensions()[1] != T || out.dimensions()[2] != H) return invalid("scatter: bad shapes");
+  MOE_STRIDE(x_stride, x, T * H);
+  MOE_STRIDE(rm_stride, row_map, T * K);
+  MOE_STRIDE(w_stride, weights, T * K);
+  *a = ScatterArgs{x.untyped_data(), *xd, x_stride, row_map.typed_data(), rm_stride,
+                   has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
+                   batch, T, K, H, R, out.untyped_data(), *od,
+                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
+                                     ffi::AnyBuffer out, WeightGradArgs* a) {
+  if (ct.dimensions().size() != 3 || x.dimensions().size() != 3 ||
+      row_map.dimensions().size() != 3 || out.dimensions().size() != 3)
+    return invalid("weight_grad expects ct [B,T,H], expert_out [B,R,H], row_map [B,T,K]");
+  const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
+  const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
+  auto cd = float_dtype(ct.element_type()), xd = float_dtype(x.element_type()),
+       od = float_dtype(out.element_type());
+  if (!cd || !xd || !od) return invalid("weight_grad: unsupported dtype");
+  if (ct.dimensions()[1] != T || ct.dimensions()[2] != H) return invalid("weight_grad: bad shapes");
+  MOE_STRIDE(ct_stride, ct, T * H);
+  MOE_STRIDE(x_stride, x, R * H);
+  MOE_STRIDE(rm_stride, row_map, T * K);
+  *a = WeightGradArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
+                      row_map.typed_data(), rm_stride, batch, T, K, H, out.untyped_data(), *od};
+  return ffi::Error::Success();
+}
+
+#undef MOE_STRIDE
+
+// The argument lists of the four handlers, after any platform context.
+template <typename B>
+auto bind_permute(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // hidden
+      .template Arg<I32Buffer>()        // topk_ids
+      .template Arg<I32Buffer>()        // expert_map
+      .template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("num_local_experts")
+      .template Attr<int64_t>("align_size")
+      .template Attr<int64_t>("has_map")
+      .template Ret<ffi::AnyBuffer>()   // permuted rows
+      .template Ret<I32Buffer>()        // group_sizes
+      .template Ret<I32Buffer>()        // row_map
+      .template Ret<ffi::AnyBuffer>();  // workspace
+}
+
+template <typename B>
+auto bind_unpermute(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // expert_out
+      .template Arg<I32Buffer>()       // row_map
+      .template Arg<ffi::AnyBuffer>()  // weights
+      .template Attr<int64_t>("has_weights")
+      .template Ret<ffi::AnyBuffer>();
+}
+
+template <typename B>
+auto bind_scatter(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<I32Buffer>()       // row_map
+      .template Arg<ffi::AnyBuffer>()  // weights
+      .template Attr<int64_t>("has_weights")
+      .template Ret<ffi::AnyBuffer>()   // rows
+      .template Ret<ffi::AnyBuffer>();  // workspace
+}
+
+template <typename B>
+auto bind_weight_grad(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // cotangent of the unpermuted output
+      .template Arg<ffi::AnyBuffer>()  // expert_out
+      .template Arg<I32Buffer>()       // row_map
+      .template Ret<ffi::AnyBuffer>();
+}
+
+}  // namespace moe

@@ -1,0 +1,61 @@
+// What every kernel launcher receives, filled once from the FFI buffers (ffi_decode.h) and
+// consumed by the CPU (cpu_kernels.cc) and CUDA (cuda_kernels.cu) implementations alike.
+// Strides are in elements; a batch stride of 0 broadcasts the operand over the batch.
+#pragma once
+
+#include <cstdint>
+
+namespace moe {
+
+enum class Dtype : int32_t { kF32, kBF16, kF16, kF8E4M3FN, kF8E5M2 };
+
+inline int64_t dtype_bytes(Dtype d) {
+  switch (d) {
+    case Dtype::kF32: return 4;
+    case Dtype::kBF16:
+    case Dtype::kF16: return 2;
+    default: return 1;
+  }
+}
+
+// out[b, row_map[b,t,k]] = hidden[b,t]; rows that hold no entry are zero.
+struct PermuteArgs {
+  const void* hidden; int64_t hidden_bstride;
+  const int32_t* ids; int64_t ids_bstride;
+  const int32_t* expert_map; int64_t map_bstride;  // expert_map is null when absent
+  int64_t batch, tokens, topk, hidden_size, elem_bytes;
+  int64_t num_experts; int32_t num_local; int64_t align, rows;
+  void* out; int32_t* group_sizes; int32_t* row_map;
+  void* workspace; int64_t workspace_bytes;
+};
+
+// out[b,t] = sum_k w[b,t,k] * x[b, row_map[b,t,k]] over valid rows, in float32.
+struct UnpermuteArgs {
+  const void* x; Dtype x_dtype; int64_t x_bstride; int64_t rows;
+  const int32_t* row_map; int64_t rm_bstride;
+  const void* weights; Dtype w_dtype; int64_t w_bstride;  // weights null means 1
+  int64_t batch, tokens, topk, hidden_size;
+  void* out; Dtype out_dtype;
+};
+
+// out[b,r] = sum over (t,k) with row_map[b,t,k] == r of w[b,t,k] * x[b,t], in float32,
+// summed in ascending t*K+k; rows nothing maps to are zero.
+struct ScatterArgs {
+  const void* x; Dtype x_dtype; int64_t x_bstride;
+  const int32_t* row_map; int64_t rm_bstride;
+  const void* weights; Dtype w_dtype; int64_t w_bstride;
+  int64_t batch, tokens, topk, hidden_size, rows;
+  void* out; Dtype out_dtype;
+  void* workspace; int64_t workspace_bytes;
+};
+
+// dw[b,t,k] = <ct[b,t], x[b, row_map[b,t,k]]> in float32, 0 for invalid rows.
+struct WeightGradArgs {
+  const void* ct; Dtype ct_dtype; int64_t ct_bstride;
+  const void* x; Dtype x_dtype; int64_t x_bstride; int64_t rows;
+  const int32_t* row_map; int64_t rm_bstride;
+  int64_t batch, tokens, topk, hidden_size;
+  void* out; Dtype out_dtype;
+};
+
+}  // namespace moe

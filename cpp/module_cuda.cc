@@ -1,0 +1,42 @@
+// nanobind module `_cuda`: the CUDA FFI targets and their workspace sizes.
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_kernels.h"
+#include "ffi_handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+template <typename Fn>
+nb::capsule capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+int64_t checked(cudaError_t err, int64_t bytes) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("jax_moe_permute: ") + cudaGetErrorString(err));
+  return bytes;
+}
+}  // namespace
+
+NB_MODULE(_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["permute"] = capsule(MoePermuteCuda);
+    d["unpermute"] = capsule(MoeUnpermuteCuda);
+    d["scatter"] = capsule(MoeScatterCuda);
+    d["weight_grad"] = capsule(MoeWeightGradCuda);
+    return d;
+  });
+  m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {
+    int64_t bytes = 0;
+    return checked(moe::cuda::permute_workspace_bytes(batch, entries, num_local, &bytes), bytes);
+  });
+  m.def("scatter_workspace_bytes", [](int64_t batch, int64_t entries, int64_t rows) {
+    int64_t bytes = 0;
+    return checked(moe::cuda::scatter_workspace_bytes(batch, entries, rows, &bytes), bytes);
+  });
+}

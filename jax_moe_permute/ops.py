@@ -1,0 +1,158 @@
+"""The public operations: argument checking, static parameters, binding the primitives."""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import primitives
+from .reference import to_int32
+
+HIDDEN_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)))
+WEIGHT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
+
+
+class PermuteResult(NamedTuple):
+    """What `moe_permute` returns (a pytree).
+
+    hidden:      [R, H] rows grouped by local expert (ascending), stable in t*K+k inside an
+                 expert; padding and tail rows are zero.
+    group_sizes: [L] int32 rows of each local expert's block, padding included (the
+                 `group_sizes` of `jax.lax.ragged_dot`).
+    row_map:     [T, K] int32 row of `hidden` holding entry (t, k), or -1 when dropped.
+    """
+
+    hidden: jax.Array
+    group_sizes: jax.Array
+    row_map: jax.Array
+
+
+def _names(dtypes):
+    return ", ".join(d.name for d in dtypes)
+
+
+def _check_array(x, name: str, op: str, ndim: int, shape_doc: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
+
+
+def _check_float(x, name: str, op: str, dtypes):
+    if jnp.dtype(x.dtype) not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {jnp.dtype(x.dtype).name}; supported dtypes: {_names(dtypes)}")
+
+
+def _check_int(x, name: str, op: str):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{op}: {name} must have an integer dtype, got {jnp.dtype(x.dtype).name}")
+
+
+def _static_int(value, name: str, op: str, minimum: int = 1) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be a static Python int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def moe_permute(
+    hidden: jax.Array,
+    topk_ids: jax.Array,
+    num_experts: int,
+    *,
+    expert_map: Optional[jax.Array] = None,
+    num_local_experts: Optional[int] = None,
+    align_size: int = 1,
+) -> PermuteResult:
+    """Gathers each token's row to the K experts it is routed to, grouped by local expert.
+
+    Args:
+      hidden: [T, H] float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (copied bit-exactly).
+      topk_ids: [T, K] any integer dtype: the global expert of each of a token's K slots.
+      num_experts: E, static int >= 1.
+      expert_map: optional [E] integer array mapping a global expert to its local index in
+        [0, L) or to -1 when the expert is not on this device (traced).
+      num_local_experts: L, static; required with expert_map.
+      align_size: A, static int >= 1; every local expert's block is padded with zero rows to
+        a multiple of A.
+
+    An entry is dropped when its id is outside [0, E) or maps outside [0, L).
+    Returns a PermuteResult with hidden [R, H], group_sizes [L] and row_map [T, K], where
+    R = T*K when A = 1, else floor((T*K + min(T*K, L)*(A-1)) / A) * A.
+    """
+    op = "moe_permute"
+    _check_array(hidden, "hidden", op, 2, "[T, H]")
+    _check_array(topk_ids, "topk_ids", op, 2, "[T, K]")
+    _check_float(hidden, "hidden", op, HIDDEN_DTYPES)
+    _check_int(topk_ids, "topk_ids", op)
+    if hidden.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"{op}: hidden has {hidden.shape[0]} tokens (T) but topk_ids has {topk_ids.shape[0]}")
+    num_experts = _static_int(num_experts, "num_experts", op)
+    align_size = _static_int(align_size, "align_size", op)
+    if expert_map is None:
+        if num_local_experts is not None and _static_int(num_local_experts, "num_local_experts", op) != num_experts:
+            raise ValueError(f"{op}: num_local_experts ({num_local_experts}) without expert_map must equal "
+                             f"num_experts ({num_experts})")
+        num_local, map_operand = num_experts, primitives.placeholder(2, jnp.int32)
+    else:
+        if num_local_experts is None:
+            raise ValueError(f"{op}: num_local_experts is required when expert_map is given")
+        num_local = _static_int(num_local_experts, "num_local_experts", op)
+        _check_array(expert_map, "expert_map", op, 1, f"({num_experts},)")
+        _check_int(expert_map, "expert_map", op)
+        if expert_map.shape != (num_experts,):
+            raise ValueError(f"{op}: expert_map must have shape ({num_experts},), got {tuple(expert_map.shape)}")
+        map_operand = to_int32(expert_map)[None]
+    rows, group_sizes, row_map = primitives.permute_p.bind(
+        jnp.asarray(hidden)[None], to_int32(topk_ids)[None], map_operand, num_experts=num_experts,
+        num_local_experts=num_local, align_size=align_size, has_map=int(expert_map is not None))
+    return PermuteResult(rows[0], group_sizes[0], row_map[0])
+
+
+def moe_unpermute(
+    expert_out: jax.Array,
+    row_map: jax.Array,
+    topk_weights: Optional[jax.Array] = None,
+    *,
+    out_dtype=None,
+) -> jax.Array:
+    """Sums each token's K expert outputs, weighted by the router's top-k weights.
+
+    Args:
+      expert_out: [R, H'] float32, bfloat16, float16, float8_e4m3fn or float8_e5m2.
+      row_map: [T, K] integer: the row of expert_out holding entry (t, k); entries outside
+        [0, R) contribute nothing.
+      topk_weights: [T, K] float32, bfloat16 or float16, or None meaning 1.
+      out_dtype: result dtype, default expert_out.dtype.
+
+    Returns out [T, H'] with out[t] = sum_k w[t,k] * expert_out[row_map[t,k]], accumulated
+    in float32 in ascending k (no atomics: bitwise reproducible).
+    """
+    op = "moe_unpermute"
+    _check_array(expert_out, "expert_out", op, 2, "[R, H]")
+    _check_array(row_map, "row_map", op, 2, "[T, K]")
+    _check_float(expert_out, "expert_out", op, HIDDEN_DTYPES)
+    _check_int(row_map, "row_map", op)
+    if topk_weights is not None:
+        _check_array(topk_weights, "topk_weights", op, 2, "[T, K]")
+        _check_float(topk_weights, "topk_weights", op, WEIGHT_DTYPES)
+        if topk_weights.shape != row_map.shape:
+            raise ValueError(f"{op}: topk_weights shape {tuple(topk_weights.shape)} differs from row_map shape "
+                             f"{tuple(row_map.shape)}")
+        weights = jnp.asarray(topk_weights)[None]
+    else:
+        weights = primitives.placeholder(3)
+    out_dtype = jnp.dtype(expert_out.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in HIDDEN_DTYPES:
+        raise TypeError(f"{op}: out_dtype {out_dtype.name} is not supported; supported dtypes: "
+                        f"{_names(HIDDEN_DTYPES)}")
+    out = primitives.unpermute(jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights,
+                               int(topk_weights is not None), out_dtype)
+    return out[0]

@@ -1,0 +1,74 @@
+"""The library's contract in plain jax.numpy: argsort + take to permute, an inverse gather
+plus a float32 weighted sum to unpermute (the strong form MaxText-style MoE layers use).
+
+Tests check the kernels against it, the lowering falls back to it on platforms without
+kernels, and the benchmark times it as what JAX users write today.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def permuted_rows(entries: int, num_local_experts: int, align_size: int) -> int:
+    """Rows of the permuted buffer: the tight worst case over all routings."""
+    if align_size == 1:
+        return entries
+    busy = min(entries, num_local_experts)
+    return (entries + busy * (align_size - 1)) // align_size * align_size
+
+
+def to_int32(x: jax.Array) -> jax.Array:
+    """Integer ids as int32 without wrap-around: wider values saturate (they are invalid anyway)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.int32:
+        return x
+    if jnp.iinfo(x.dtype).bits > 32 or x.dtype == jnp.uint32:
+        x = jnp.clip(x, -1 if jnp.issubdtype(x.dtype, jnp.signedinteger) else 0, np.iinfo(np.int32).max)
+    return x.astype(jnp.int32)
+
+
+def local_experts(topk_ids, num_experts, expert_map=None, num_local_experts=None):
+    """[T*K] local expert of every entry, or L where the entry is dropped."""
+    ids = to_int32(topk_ids).reshape(-1)
+    L = num_experts if expert_map is None else num_local_experts
+    in_range = (ids >= 0) & (ids < num_experts)
+    local = ids if expert_map is None else to_int32(expert_map)[jnp.clip(ids, 0, num_experts - 1)]
+    keep = in_range & (local >= 0) & (local < L)
+    return jnp.where(keep, local, L), L
+
+
+def moe_permute(hidden, topk_ids, num_experts, *, expert_map=None, num_local_experts=None, align_size=1):
+    """Reference of `jax_moe_permute.moe_permute`; returns (hidden [R,H], group_sizes [L], row_map [T,K])."""
+    T, H = hidden.shape
+    K = topk_ids.shape[1]
+    N = T * K
+    local, L = local_experts(topk_ids, num_experts, expert_map, num_local_experts)
+    R = permuted_rows(N, L, align_size)
+    order = jnp.argsort(local, stable=True)  # ascending flat index within an expert
+    counts = jnp.zeros(L + 1, jnp.int32).at[local].add(1)[:L]
+    padded = (counts + align_size - 1) // align_size * align_size
+    starts = jnp.cumsum(padded) - padded
+    first_sorted = jnp.cumsum(counts) - counts  # where each expert begins in `order`
+    sorted_local = local[order]
+    kept = sorted_local < L
+    safe = jnp.where(kept, sorted_local, 0)
+    rows_sorted = starts[safe] + jnp.arange(N, dtype=jnp.int32) - first_sorted[safe]
+    row_map = jnp.zeros(N, jnp.int32).at[order].set(jnp.where(kept, rows_sorted, -1))
+    source = jnp.full(R, -1, jnp.int32).at[jnp.where(kept, rows_sorted, R)].set(order.astype(jnp.int32), mode="drop")
+    rows = jnp.take(hidden, jnp.maximum(source, 0) // max(K, 1), axis=0)
+    out = jnp.where((source >= 0)[:, None], rows, jnp.zeros((), hidden.dtype))
+    return out, padded.astype(jnp.int32), row_map.reshape(T, K)
+
+
+def moe_unpermute(expert_out, row_map, topk_weights=None, *, out_dtype=None):
+    """Reference of `jax_moe_permute.moe_unpermute`: out[t] = sum_k w[t,k] * expert_out[row_map[t,k]]."""
+    R = expert_out.shape[0]
+    row_map = to_int32(row_map)
+    valid = (row_map >= 0) & (row_map < R)
+    rows = jnp.take(expert_out, jnp.where(valid, row_map, 0), axis=0).astype(jnp.float32)  # [T, K, H]
+    w = jnp.ones(row_map.shape, jnp.float32) if topk_weights is None else topk_weights.astype(jnp.float32)
+    out = jnp.sum(jnp.where(valid[..., None], rows * w[..., None], 0.0), axis=1)
+    return out.astype(out_dtype or expert_out.dtype)
