@@ -1,0 +1,94 @@
+"""moe_unpermute against the reference: float32 accumulation, invalid rows, every dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_permute as jmp
+from conftest import FLOAT_DTYPES, WEIGHT_DTYPES, assert_bits_equal, assert_close, random_float, random_ids
+
+# (T, R, H, K)
+SHAPES = [(0, 4, 8, 2), (1, 1, 1, 1), (1, 9, 7, 8), (37, 50, 33, 3), (129, 300, 4096, 2), (1000, 8000, 64, 8)]
+
+
+def random_row_map(T, K, R):
+    """Rows in [-2, R + 2): invalid rows and rows shared by several entries included."""
+    return random_ids(T, K, R)
+
+
+def check(x, row_map, weights=None, out_dtype=None, jit=True):
+    ours = lambda a, r, w: jmp.moe_unpermute(a, r, w, out_dtype=out_dtype)
+    ref = lambda a, r, w: jmp.reference.moe_unpermute(a, r, w, out_dtype=out_dtype)
+    if jit:
+        ours, ref = jax.jit(ours), jax.jit(ref)
+    got, want = ours(x, row_map, weights), ref(x, row_map, weights)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, got.dtype)
+    return got
+
+
+@pytest.mark.parametrize("T,R,H,K", SHAPES)
+@pytest.mark.parametrize("weights_dtype", [None] + WEIGHT_DTYPES)
+def test_matches_reference(T, R, H, K, weights_dtype):
+    x = random_float((R, H), jnp.bfloat16)
+    w = None if weights_dtype is None else random_float((T, K), weights_dtype)
+    check(x, random_row_map(T, K, R), w)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_every_dtype(dtype, out_dtype, jit):
+    x = random_float((60, 24), dtype)
+    check(x, random_row_map(31, 4, 60), random_float((31, 4), jnp.float32), out_dtype=out_dtype, jit=jit)
+
+
+def test_accumulates_in_float32():
+    # 1 + 2^-9 + 2^-9 rounds differently when summed in bfloat16.
+    x = jnp.array([[1.0], [2.0**-9], [2.0**-9]], jnp.bfloat16)
+    out = jmp.moe_unpermute(x, jnp.array([[0, 1, 2]]), out_dtype=jnp.float32)
+    assert float(out[0, 0]) == 1.0 + 2.0**-8
+
+
+def test_invalid_rows_contribute_nothing():
+    x = random_float((5, 3), jnp.float32)
+    x = x.at[0].set(jnp.inf)  # would poison the sum if an invalid entry read row 0
+    rm = jnp.array([[-1, 7], [5, -3], [1, 2]], jnp.int32)
+    out = np.asarray(jmp.moe_unpermute(x, rm, random_float((3, 2), jnp.float32)))
+    assert np.all(out[:2] == 0)
+    assert np.all(np.isfinite(out))
+
+
+def test_int64_indices_do_not_wrap():
+    with jax.enable_x64(True):
+        x = random_float((4, 2), jnp.float32)
+        rm = jnp.array([[2**32 + 1, 1]], jnp.int64)  # row 1 + 2^32 would be row 1 if it wrapped
+        np.testing.assert_array_equal(np.asarray(jmp.moe_unpermute(x, rm))[0], np.asarray(x)[1])
+        ids = jnp.array([[2**32 + 1], [1]], jnp.int64)
+        res = jmp.moe_permute(random_float((2, 3), jnp.float32), ids, 4)
+        np.testing.assert_array_equal(np.asarray(res.row_map), [[-1], [0]])
+
+
+def test_roundtrip_with_permute():
+    T, H, E, K = 64, 16, 8, 2
+    hidden = random_float((T, H), jnp.float32)
+    ids = random_ids(T, K, E, low=0, high_extra=0)
+    w = random_float((T, K), jnp.float32)
+    res = jmp.moe_permute(hidden, ids, E, align_size=4)
+    out = jmp.moe_unpermute(res.hidden, res.row_map, w)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(hidden * w.sum(-1, keepdims=True)), rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic():
+    x = random_float((500, 256), jnp.bfloat16)
+    rm, w = random_row_map(400, 8, 500), random_float((400, 8), jnp.float32)
+    f = jax.jit(jmp.moe_unpermute)
+    first = f(x, rm, w)
+    for _ in range(3):
+        assert_bits_equal(f(x, rm, w), first)
+
+
+def test_h_zero():
+    out = jmp.moe_unpermute(jnp.ones((4, 0), jnp.float32), random_row_map(3, 2, 4))
+    assert out.shape == (3, 0)
