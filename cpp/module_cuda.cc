@@ -16,8 +16,11 @@ nb::capsule capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-int64_t checked(cudaError_t err, int64_t bytes) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("jax_moe_permute: ") + cudaGetErrorString(err));
+template <typename Fn>
+int64_t workspace_bytes(Fn fn, int64_t batch, int64_t entries, int64_t extent) {
+  int64_t bytes = 0;
+  if (cudaError_t err = fn(batch, entries, extent, &bytes); err != cudaSuccess)
+    throw std::runtime_error(std::string("jax_moe_permute: ") + cudaGetErrorString(err));
   return bytes;
 }
 }  // namespace
@@ -32,11 +35,9 @@ NB_MODULE(_cuda, m) {
     return d;
   });
   m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {
-    int64_t bytes = 0;
-    return checked(moe::cuda::permute_workspace_bytes(batch, entries, num_local, &bytes), bytes);
+    return workspace_bytes(moe::cuda::permute_workspace_bytes, batch, entries, num_local);
   });
   m.def("scatter_workspace_bytes", [](int64_t batch, int64_t entries, int64_t rows) {
-    int64_t bytes = 0;
-    return checked(moe::cuda::scatter_workspace_bytes(batch, entries, rows, &bytes), bytes);
+    return workspace_bytes(moe::cuda::scatter_workspace_bytes, batch, entries, rows);
   });
 }
