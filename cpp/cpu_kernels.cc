@@ -7,6 +7,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "moe_index.h"
 
 namespace moe::cpu {
@@ -94,7 +98,20 @@ float load_weight(const void* w, Dtype d, int64_t i) {
   return out;
 }
 
-constexpr int64_t kChunk = 512;  // float32 accumulators on the stack per pass over a row
+constexpr int64_t kChunk = 512;
+
+// Large XLA outputs are fresh mmap'd memory: first-touch page faults cost more than the copy
+// itself (4 KiB each). Asking for transparent huge pages turns 512 faults into one. A hint:
+// failure (or another OS) changes nothing.
+void prefer_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < static_cast<int64_t>(4 * kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}  // float32 accumulators on the stack per pass over a row
 
 }  // namespace
 
@@ -106,6 +123,7 @@ void permute(const PermuteArgs& a) {
   const int64_t n = a.tokens * a.topk, row_bytes = a.hidden_size * a.elem_bytes;
   const int32_t L = a.num_local;
   int32_t* cursor = static_cast<int32_t*>(a.workspace);
+  prefer_huge_pages(a.out, a.batch * a.rows * row_bytes);
   for (int64_t b = 0; b < a.batch; ++b) {
     const int32_t* ids = a.ids + b * a.ids_bstride;
     const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
@@ -127,11 +145,12 @@ void permute(const PermuteArgs& a) {
     // Ascending flat index inside each expert: a stable counting sort.
     for (int64_t i = 0; i < n; ++i) {
       const int32_t e = local_expert(ids[i], map, a.num_experts, L);
-      if (e == L) { row_map[i] = -1; continue; }
-      const int32_t row = cursor[e]++;
-      row_map[i] = row;
-      std::memcpy(out + row * row_bytes, hidden + (i / a.topk) * row_bytes, row_bytes);
+      row_map[i] = e == L ? -1 : cursor[e]++;
     }
+    // One thread: the copy is bound by first-touch faults of the output, and two threads
+    // faulting huge pages into one mapping measured slower than one.
+    for (int64_t i = 0; i < n; ++i)
+      if (row_map[i] >= 0) std::memcpy(out + row_map[i] * row_bytes, hidden + (i / a.topk) * row_bytes, row_bytes);
     start = 0;
     for (int32_t j = 0; j < L; ++j) {  // zero each block's padding; cursor[j] is its fill end
       const int64_t end = start + round_up(counts[j], a.align);
@@ -139,11 +158,11 @@ void permute(const PermuteArgs& a) {
       counts[j] = static_cast<int32_t>(end - start);
       start = end;
     }
-    std::memset(out + start * row_bytes, 0, (a.rows - start) * row_bytes);
+    std::memset(out + start * row_bytes, 0, (a.rows - start) * row_bytes);  // rows past the last block
   }
 }
 
-void unpermute(const UnpermuteArgs& a) {
+void unpermute(const UnpermuteArgs& a, const ParallelFor& parallel) {
   const int64_t H = a.hidden_size, K = a.topk;
   visit_input(a.x_dtype, [&](auto xtag) {
     using X = typename decltype(xtag)::type;
@@ -151,12 +170,15 @@ void unpermute(const UnpermuteArgs& a) {
       using O = typename decltype(otag)::type;
       const X* xs = static_cast<const X*>(a.x);
       O* out = static_cast<O*>(a.out);
-      for (int64_t b = 0; b < a.batch; ++b) {
-        const X* x = xs + b * a.x_bstride;
-        const int32_t* rm = a.row_map + b * a.rm_bstride;
-        const int64_t wb = b * a.w_bstride;
-        for (int64_t t = 0; t < a.tokens; ++t) {
-          O* o = out + (b * a.tokens + t) * H;
+      prefer_huge_pages(out, a.batch * a.tokens * H * int64_t{sizeof(O)});
+      parallel(a.batch * a.tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * K, 1)),
+               [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g) {
+          const int64_t b = g / a.tokens, t = g % a.tokens;
+          const X* x = xs + b * a.x_bstride;
+          const int32_t* rm = a.row_map + b * a.rm_bstride;
+          const int64_t wb = b * a.w_bstride;
+          O* o = out + g * H;
           for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
             const int64_t len = std::min(kChunk, H - h0);
             float acc[kChunk];
@@ -171,12 +193,12 @@ void unpermute(const UnpermuteArgs& a) {
             for (int64_t h = 0; h < len; ++h) o[h0 + h] = from_f32<O>(acc[h]);
           }
         }
-      }
+      });
     });
   });
 }
 
-void scatter(const ScatterArgs& a) {
+void scatter(const ScatterArgs& a, const ParallelFor& parallel) {
   const int64_t H = a.hidden_size, K = a.topk, n = a.tokens * a.topk, R = a.rows;
   int32_t* offsets = static_cast<int32_t*>(a.workspace);  // [R + 1], then entries [n]
   int32_t* entries = offsets + R + 1;
@@ -184,6 +206,7 @@ void scatter(const ScatterArgs& a) {
     using X = typename decltype(xtag)::type;
     visit_output(a.out_dtype, [&](auto otag) {
       using O = typename decltype(otag)::type;
+      prefer_huge_pages(a.out, a.batch * R * H * int64_t{sizeof(O)});
       for (int64_t b = 0; b < a.batch; ++b) {
         const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
         const int32_t* rm = a.row_map + b * a.rm_bstride;
@@ -196,30 +219,33 @@ void scatter(const ScatterArgs& a) {
         for (int64_t i = 0; i < n; ++i)
           if (rm[i] >= 0 && rm[i] < R) entries[offsets[rm[i]]++] = static_cast<int32_t>(i);
         // offsets[r] now holds the end of row r's entries; its start is offsets[r - 1].
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t begin = r == 0 ? 0 : offsets[r - 1], end = offsets[r];
-          O* o = out + r * H;
-          for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-            const int64_t len = std::min(kChunk, H - h0);
-            float acc[kChunk];
-            std::fill(acc, acc + len, 0.0f);
-            for (int64_t p = begin; p < end; ++p) {
-              const int64_t i = entries[p];
-              const float w = load_weight(a.weights, a.w_dtype, b * a.w_bstride + i);
-              const X* src = x + (i / K) * H + h0;
-              // The first term is assigned, not added, so a lone -0.0 stays -0.0.
-              if (p == begin) for (int64_t h = 0; h < len; ++h) acc[h] = w * to_f32(src[h]);
-              else for (int64_t h = 0; h < len; ++h) acc[h] += w * to_f32(src[h]);
+        parallel(R, std::max<int64_t>(1, 4096 / std::max<int64_t>(H, 1)),
+                 [&](int64_t row_begin, int64_t row_end) {
+          for (int64_t r = row_begin; r < row_end; ++r) {
+            const int64_t begin = r == 0 ? 0 : offsets[r - 1], end = offsets[r];
+            O* o = out + r * H;
+            for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+              const int64_t len = std::min(kChunk, H - h0);
+              float acc[kChunk];
+              std::fill(acc, acc + len, 0.0f);
+              for (int64_t p = begin; p < end; ++p) {
+                const int64_t i = entries[p];
+                const float w = load_weight(a.weights, a.w_dtype, b * a.w_bstride + i);
+                const X* src = x + (i / K) * H + h0;
+                // The first term is assigned, not added, so a lone -0.0 stays -0.0.
+                if (p == begin) for (int64_t h = 0; h < len; ++h) acc[h] = w * to_f32(src[h]);
+                else for (int64_t h = 0; h < len; ++h) acc[h] += w * to_f32(src[h]);
+              }
+              for (int64_t h = 0; h < len; ++h) o[h0 + h] = from_f32<O>(acc[h]);
             }
-            for (int64_t h = 0; h < len; ++h) o[h0 + h] = from_f32<O>(acc[h]);
           }
-        }
+        });
       }
     });
   });
 }
 
-void weight_grad(const WeightGradArgs& a) {
+void weight_grad(const WeightGradArgs& a, const ParallelFor& parallel) {
   const int64_t H = a.hidden_size, K = a.topk;
   visit_input(a.ct_dtype, [&](auto ctag) {
     using C = typename decltype(ctag)::type;
@@ -227,12 +253,14 @@ void weight_grad(const WeightGradArgs& a) {
       using X = typename decltype(xtag)::type;
       visit_output(a.out_dtype, [&](auto otag) {
         using O = typename decltype(otag)::type;
-        for (int64_t b = 0; b < a.batch; ++b) {
-          const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride;
-          const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
-          const int32_t* rm = a.row_map + b * a.rm_bstride;
-          O* out = static_cast<O*>(a.out) + b * a.tokens * K;
-          for (int64_t t = 0; t < a.tokens; ++t) {
+        parallel(a.batch * a.tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * K, 1)),
+                 [&](int64_t begin, int64_t end) {
+          for (int64_t g = begin; g < end; ++g) {
+            const int64_t b = g / a.tokens, t = g % a.tokens;
+            const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride;
+            const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+            const int32_t* rm = a.row_map + b * a.rm_bstride;
+            O* out = static_cast<O*>(a.out) + b * a.tokens * K;
             for (int64_t k = 0; k < K; ++k) {
               const int64_t r = rm[t * K + k];
               float dot = 0.0f;
@@ -241,7 +269,7 @@ void weight_grad(const WeightGradArgs& a) {
               out[t * K + k] = from_f32<O>(dot);
             }
           }
-        }
+        });
       });
     });
   });

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import jax
 
-from . import _cpu
+from . import __path__ as _package_path
+
+
+def _add_installed_copy() -> None:
+    """Run from a source checkout (python -m jax_moe_permute in the repo root), the package
+    is imported from the sources, which hold no compiled modules: let it find the installed
+    copy's."""
+    here = os.path.realpath(_package_path[0])
+    if any(f.startswith("_cpu.") for f in os.listdir(here)):
+        return
+    for entry in sys.path:
+        candidate = os.path.join(entry or os.getcwd(), "jax_moe_permute")
+        if os.path.isdir(candidate) and os.path.realpath(candidate) != here:
+            _package_path.append(candidate)
+
+
+_add_installed_copy()
+if importlib.util.find_spec("jax_moe_permute._cpu") is None:
+    raise ImportError("jax_moe_permute: the compiled module _cpu is missing; install the package with "
+                      "`pip install --no-build-isolation .` (see README.md)")
+from . import _cpu  # noqa: E402
 
 try:
     from . import _cuda

@@ -58,6 +58,8 @@ def moe_permute(hidden, topk_ids, num_experts, *, expert_map=None, num_local_exp
     rows_sorted = starts[safe] + jnp.arange(N, dtype=jnp.int32) - first_sorted[safe]
     row_map = jnp.zeros(N, jnp.int32).at[order].set(jnp.where(kept, rows_sorted, -1))
     source = jnp.full(R, -1, jnp.int32).at[jnp.where(kept, rows_sorted, R)].set(order.astype(jnp.int32), mode="drop")
+    if T == 0:  # nothing to take from (and jax's take cannot differentiate an empty gather)
+        return jnp.zeros((R, H), hidden.dtype), padded.astype(jnp.int32), row_map.reshape(T, K)
     rows = jnp.take(hidden, jnp.maximum(source, 0) // max(K, 1), axis=0)
     out = jnp.where((source >= 0)[:, None], rows, jnp.zeros((), hidden.dtype))
     return out, padded.astype(jnp.int32), row_map.reshape(T, K)
@@ -67,6 +69,8 @@ def moe_unpermute(expert_out, row_map, topk_weights=None, *, out_dtype=None):
     """Reference of `jax_moe_permute.moe_unpermute`: out[t] = sum_k w[t,k] * expert_out[row_map[t,k]]."""
     R = expert_out.shape[0]
     row_map = to_int32(row_map)
+    if R == 0 or row_map.size == 0:  # nothing to gather
+        return jnp.zeros((row_map.shape[0], expert_out.shape[1]), out_dtype or expert_out.dtype)
     valid = (row_map >= 0) & (row_map < R)
     rows = jnp.take(expert_out, jnp.where(valid, row_map, 0), axis=0).astype(jnp.float32)  # [T, K, H]
     w = jnp.ones(row_map.shape, jnp.float32) if topk_weights is None else topk_weights.astype(jnp.float32)

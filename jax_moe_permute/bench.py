@@ -1,0 +1,214 @@
+"""Benchmark: ours vs the jnp reference vs a device-copy ceiling, side by side in one run.
+
+    python -m jax_moe_permute.bench [--quick] [--model mixtral,qwen3] [--tokens 1,4096]
+                                    [--ops permute,unpermute] [--json out.json] [--plot out.png]
+
+On GPU, device time is the sum of each op's kernel times from CUPTI
+(jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are
+T*H*itemsize*(1+K): each token row read once and its K copies written (permute), or K rows
+read and one written (unpermute); the backward ops move the same bytes as their forward twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_permute as jmp
+
+MODELS = {  # name: (E, K, H, token counts)
+    "mixtral": (8, 2, 4096, (1, 64, 2048, 4096, 32768)),
+    "qwen3": (128, 8, 2048, (1, 64, 2048, 4096, 16384)),
+    "deepseek": (256, 8, 7168, (1, 64, 1024, 4096, 16384)),
+}
+QUICK_TOKENS = (1, 64, 4096)
+OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def device_us(f: Callable, *args, iterations: int = 20) -> float:
+    """Median time of one call of jitted f: CUPTI kernel time on GPU, wall clock elsewhere."""
+    if on_gpu():
+        from jax.experimental.mosaic.gpu import profiler
+
+        jax.block_until_ready(f(*args))
+        _, times_ms = profiler.measure(f, iterations=iterations)(*args)
+        times_ms = times_ms if isinstance(times_ms, (list, tuple)) else [times_ms]
+        return 1e3 * statistics.median(times_ms)
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(max(3, iterations // 4)):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
+    """Read+write bandwidth of a large device-to-device copy (torch's copy_ when available)."""
+    if on_gpu():
+        try:
+            import torch
+
+            a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(10):
+                start.record()
+                b.copy_(a)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) * 1e-3)
+            del a, b
+            torch.cuda.empty_cache()
+            return 2 * nbytes / statistics.median(times) / 1e12
+        except ImportError:
+            pass
+    else:
+        nbytes = min(nbytes, 2**28)
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+    us = device_us(jax.jit(lambda a: a * jnp.bfloat16(-1)), x)
+    return 2 * nbytes / us / 1e6
+
+
+def routing(T: int, E: int, K: int, seed: int = 0):
+    """Top-k of random router logits: K distinct experts per token and softmax weights."""
+    logits = jax.random.normal(jax.random.PRNGKey(seed), (T, E), jnp.float32)
+    weights, ids = jax.lax.top_k(logits, K)
+    return ids.astype(jnp.int32), jax.nn.softmax(weights, axis=-1)
+
+
+def op_functions(lib, E: int):
+    """The jitted functions of each op for `lib` (jmp or jmp.reference)."""
+    permute = lambda h, i: lib.moe_permute(h, i, E)
+    unpermute = lambda x, rm, w: lib.moe_unpermute(x, rm, w)
+    return {
+        "permute": (jax.jit(permute), "hidden,ids"),
+        "unpermute": (jax.jit(unpermute), "rows,row_map,weights"),
+        # gradient of permute w.r.t. hidden: an unweighted unpermute of the cotangent
+        "permute_bwd": (jax.jit(lambda h, i, ct: jax.vjp(lambda a: permute(a, i)[0], h)[1](ct)[0]), "hidden,ids,ct_rows"),
+        # gradient of unpermute w.r.t. expert rows and weights
+        "unpermute_bwd": (jax.jit(lambda x, rm, w, ct: jax.vjp(lambda a, b: unpermute(a, rm, b), x, w)[1](ct)),
+                          "rows,row_map,weights,ct_tokens"),
+    }
+
+
+def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, iterations: int = 20):
+    E, K, H, _ = MODELS[model]
+    ids, weights = routing(T, E, K)
+    hidden = jax.random.normal(jax.random.PRNGKey(1), (T, H), jnp.float32).astype(dtype)
+    res = jmp.moe_permute(hidden, ids, E)
+    inputs = {
+        "hidden": hidden, "ids": ids, "weights": weights, "row_map": res.row_map,
+        "rows": jax.random.normal(jax.random.PRNGKey(2), res.hidden.shape, jnp.float32).astype(dtype),
+        "ct_rows": jax.random.normal(jax.random.PRNGKey(3), res.hidden.shape, jnp.float32).astype(dtype),
+        "ct_tokens": jax.random.normal(jax.random.PRNGKey(4), (T, H), jnp.float32).astype(dtype),
+    }
+    nbytes = T * H * jnp.dtype(dtype).itemsize * (1 + K)
+    ours, ref = op_functions(jmp, E), op_functions(jmp.reference, E)
+    rows = []
+    for op in ops:
+        f, names = ours[op]
+        args = [inputs[n] for n in names.split(",")]
+        us = device_us(f, *args, iterations=iterations)
+        ref_us = device_us(ref[op][0], *args, iterations=iterations)
+        rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
+                         TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))
+    return rows
+
+
+def format_table(rows) -> str:
+    head = f"{'model':9} {'T':>6} {'op':14} {'us':>9} {'ref us':>9} {'speed-up':>8} {'TB/s':>6} {'% ceil':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model']:9} {r['T']:>6} {r['op']:14} {r['us']:9.1f} {r['ref_us']:9.1f} "
+                     f"{r['ref_us'] / r['us']:7.2f}x {r['TBps']:6.2f} {100 * r['TBps'] / r['copy_TBps']:5.0f}%")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for op in dict.fromkeys(r["op"] for r in mine):
+            pts = sorted((r["T"], r["TBps"], r["bytes"] / r["ref_us"] / 1e6) for r in mine if r["op"] == op)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} (ours)")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", color=line.get_color(),
+                    label=f"{op} (reference)")
+        ax.axhline(mine[0]["copy_TBps"], color="k", lw=1, label="copy ceiling")
+        ax.set(xscale="log", xlabel="tokens T", ylabel="TB/s", title=model)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def progress(items, enabled=True):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, disable=not enabled, file=sys.stderr)
+    except ImportError:
+        return items
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
+    p.add_argument("--model", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the grid)")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--json", default="", help="write the rows here")
+    p.add_argument("--plot", default="", help="write a PNG plot here")
+    args = p.parse_args(argv)
+
+    ops = args.ops.split(",")
+    jobs = []
+    for model in args.model.split(","):
+        tokens = MODELS[model][3]
+        if args.tokens:
+            tokens = tuple(int(t) for t in args.tokens.split(","))
+        elif args.quick:
+            tokens = QUICK_TOKENS
+        if not on_gpu():  # keep CPU runs short
+            tokens = tuple(t for t in tokens if t <= 4096)
+        jobs += [(model, t) for t in tokens]
+
+    copy_tbps = copy_ceiling_tbps()
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.2f} TB/s",
+          flush=True)
+    rows = []
+    for model, T in progress(jobs):
+        rows += bench_shape(model, T, ops, copy_tbps, iterations=args.iterations)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
