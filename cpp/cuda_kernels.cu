@@ -198,22 +198,32 @@ __global__ void assign_rows_kernel(const uint32_t* sorted_keys, const uint32_t* 
   }
 }
 
-// One block per token: its row is read once and written to each of its K rows.
+// Each thread moves up to kUnroll vectors of a row, all loads issued before the first store.
+constexpr int kCopyThreads = 128, kUnroll = 4;
+constexpr int64_t kCopyChunk = int64_t{kCopyThreads} * kUnroll;  // vectors per block-chunk of a row
+
+// Blocks over (token, chunk of the row): the token's row is read once and written to each of
+// its K rows.
 template <typename V>
-__global__ void copy_rows_kernel(const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map,
-                                 int64_t tokens, int64_t topk, int64_t batch, int64_t rows, int64_t row_bytes,
-                                 char* out) {
-  const int64_t nvec = row_bytes / sizeof(V);
-  for (int64_t g = blockIdx.x; g < batch * tokens; g += gridDim.x) {
-    const int64_t b = g / tokens, t = g % tokens;
+__global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
+    const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map, int64_t tokens, int64_t topk,
+    int64_t batch, int64_t rows, int64_t row_bytes, char* out) {
+  const int64_t nvec = row_bytes / sizeof(V), chunks = (nvec + kCopyChunk - 1) / kCopyChunk;
+  for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
+    const int64_t g = u / chunks, b = g / tokens, t = g % tokens, v0 = (u % chunks) * kCopyChunk + threadIdx.x;
     const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes + t * row_bytes);
+    V value[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (v0 + j * kCopyThreads < nvec) value[j] = src[v0 + j * kCopyThreads];
     const int32_t* rm = row_map + g * topk;
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const V value = src[v];
-      for (int64_t k = 0; k < topk; ++k) {
-        const int64_t r = rm[k];
-        if (r >= 0) reinterpret_cast<V*>(out + (b * rows + r) * row_bytes)[v] = value;
-      }
+    for (int64_t k = 0; k < topk; ++k) {
+      const int64_t r = rm[k];
+      if (r < 0) continue;
+      V* dst = reinterpret_cast<V*>(out + (b * rows + r) * row_bytes);
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j)
+        if (v0 + j * kCopyThreads < nvec) dst[v0 + j * kCopyThreads] = value[j];
     }
   }
 }
@@ -240,6 +250,101 @@ __global__ void zero_padding_kernel(const int32_t* seg, const int32_t* starts, i
   }
 }
 
+// ---- permute, small batches: one launch -------------------------------------------------
+// Every block routes the whole (small) example in shared memory: a stable block radix sort of
+// (local expert, flat index), expert counts, block starts and each entry's row. Then the
+// blocks share the copies (read each token row once, write its K rows) and the zero rows.
+constexpr int kSmallThreads = 256;
+constexpr int64_t kSmallMaxEntries = 2048, kSmallMaxLocal = 1023;
+
+template <int kItems, typename V>
+__global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a, int end_bit) {
+  using Sort = cub::BlockRadixSort<uint32_t, kSmallThreads, kItems, int32_t>;
+  using Scan = cub::BlockScan<int32_t, kSmallThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int32_t counts[kSmallMaxLocal + 1], starts[kSmallMaxLocal + 1], seg[kSmallMaxLocal + 1];
+  __shared__ int32_t row_of[kSmallThreads * kItems];
+
+  const int64_t b = blockIdx.y, n = a.tokens * a.topk, L = a.num_local;
+  const int32_t* ids = a.ids + b * a.ids_bstride;
+  const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
+  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+
+  uint32_t keys[kItems];
+  int32_t vals[kItems];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int32_t i = threadIdx.x * kItems + j;
+    vals[j] = i;
+    keys[j] = static_cast<uint32_t>(L + 1);  // past the end: sorts after every entry
+    if (i < n) {
+      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
+      keys[j] = static_cast<uint32_t>(e);
+      if (e < L) atomicAdd(&counts[e], 1);
+    }
+  }
+  Sort(tmp.sort).Sort(keys, vals, 0, end_bit);  // stable: flat index order within an expert
+  __syncthreads();
+
+  int32_t carry_rows = 0, carry_entries = 0;
+  for (int64_t e0 = 0; e0 < L; e0 += kSmallThreads) {
+    const int64_t e = e0 + threadIdx.x;
+    const int32_t c = e < L ? counts[e] : 0, padded = static_cast<int32_t>(round_up(c, a.align));
+    int32_t row0, entry0, rows_total, entries_total;
+    Scan(tmp.scan).ExclusiveSum(padded, row0, rows_total);
+    __syncthreads();
+    Scan(tmp.scan).ExclusiveSum(c, entry0, entries_total);
+    __syncthreads();
+    if (e < L) {
+      starts[e] = carry_rows + row0;
+      seg[e] = carry_entries + entry0;
+    }
+    carry_rows += rows_total;
+    carry_entries += entries_total;
+  }
+  if (threadIdx.x == 0) starts[L] = carry_rows;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int32_t p = threadIdx.x * kItems + j;  // blocked arrangement: sorted position
+    if (p < n) row_of[vals[j]] = keys[j] < L ? starts[keys[j]] + (p - seg[keys[j]]) : -1;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a.row_map[b * n + i] = row_of[i];
+    for (int64_t e = threadIdx.x; e < L; e += blockDim.x) a.group_sizes[b * L + e] = starts[e + 1] - starts[e];
+  }
+
+  const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
+  const int64_t chunks = (nvec + kSmallThreads - 1) / kSmallThreads;
+  const V* hidden = reinterpret_cast<const V*>(static_cast<const char*>(a.hidden) +
+                                               b * a.hidden_bstride * a.elem_bytes);
+  V* out = reinterpret_cast<V*>(static_cast<char*>(a.out) + b * a.rows * row_bytes);
+  for (int64_t u = blockIdx.x; u < a.tokens * chunks; u += gridDim.x) {
+    const int64_t t = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
+    if (v >= nvec) continue;
+    const V value = hidden[t * nvec + v];
+    for (int64_t k = 0; k < a.topk; ++k) {
+      const int32_t r = row_of[t * a.topk + k];
+      if (r >= 0) out[r * nvec + v] = value;
+    }
+  }
+  for (int64_t u = blockIdx.x; u < a.rows * chunks; u += gridDim.x) {
+    const int64_t r = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
+    int64_t lo = 0, hi = L;  // the last e in [0, L] with starts[e] <= r
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (starts[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    const bool padding = lo == L || r >= starts[lo] + counts[lo];
+    if (padding && v < nvec) out[r * nvec + v] = V{};
+  }
+}
+
 // The widest access (up to 16 bytes) that divides the row and every base address.
 template <typename F>
 cudaError_t with_access_type(int64_t row_bytes, std::initializer_list<const void*> ptrs, F&& f) {
@@ -253,30 +358,58 @@ cudaError_t with_access_type(int64_t row_bytes, std::initializer_list<const void
 }
 
 // ---- unpermute ---------------------------------------------------------------------------
-template <typename X, typename O, int V>
-__global__ void unpermute_kernel(UnpermuteArgs a) {
-  const X* xs = static_cast<const X*>(a.x);
-  O* out = static_cast<O*>(a.out);
-  const int64_t H = a.hidden_size, K = a.topk;
-  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
-    const int64_t b = g / a.tokens, t = g % a.tokens;
-    const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
-    const X* x = xs + b * a.x_bstride;
-    const int64_t wbase = b * a.w_bstride + t * K;
-    for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
-      float acc[V] = {};
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t r = rm[k];
-        if (r < 0 || r >= a.rows) continue;
-        const float w = weight_at(a.weights, a.w_dtype, wbase + k);
-        float f[V];
-        load_f32<X, V>(x + r * H + h, f);
+// Blocks over (token, chunk of H): each thread owns V consecutive features, gathers them from
+// the token's K rows (four loads in flight at a time) and accumulates in float32, in ascending k.
+constexpr int kGatherThreads = 128;
+
+template <typename X, int V>
+__device__ __forceinline__ void accumulate_rows(const X* x, int64_t H, int64_t h, const int32_t* rows,
+                                                int64_t num_rows, int64_t K, const void* w, Dtype w_dtype,
+                                                int64_t w_base, float (&acc)[V]) {
+  for (int64_t k0 = 0; k0 < K; k0 += 4) {
+    float f[4][V], wk[4];
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += w * f[i];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t r = k0 + j < K ? rows[k0 + j] : -1;
+      wk[j] = 0.0f;
+      if (r >= 0 && r < num_rows) {
+        load_f32<X, V>(x + r * H + h, f[j]);
+        wk[j] = weight_at(w, w_dtype, w_base + k0 + j);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[j][i] = 0.0f;
       }
-      store_f32<O, V>(out + g * H + h, acc);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (k0 + j >= K) break;
+      const int64_t r = rows[k0 + j];
+      if (r < 0 || r >= num_rows) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += wk[j] * f[j][i];
     }
   }
+}
+
+template <typename X, typename O, int V>
+__global__ void __launch_bounds__(kGatherThreads) unpermute_kernel(UnpermuteArgs a) {
+  const int64_t H = a.hidden_size, K = a.topk;
+  const int64_t h = (blockIdx.y * int64_t(kGatherThreads) + threadIdx.x) * V;
+  if (h >= H) return;
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g % a.tokens;
+    float acc[V] = {};
+    accumulate_rows<X, V>(static_cast<const X*>(a.x) + b * a.x_bstride, H, h,
+                          a.row_map + b * a.rm_bstride + t * K, a.rows, K, a.weights, a.w_dtype,
+                          b * a.w_bstride + t * K, acc);
+    store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
+  }
+}
+
+dim3 gather_grid(int64_t items, int64_t hidden, int vec) {
+  const int64_t per_block = int64_t{kGatherThreads} * vec;
+  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(kMaxBlocks, items))),
+              static_cast<unsigned>((hidden + per_block - 1) / per_block));
 }
 
 // ---- scatter -----------------------------------------------------------------------------
@@ -294,27 +427,28 @@ __global__ void segment_bounds_kernel(const uint32_t* sorted_keys, int64_t total
     seg[q] = static_cast<int32_t>(lower_bound(sorted_keys, total, q));
 }
 
-// One block per output row: the weighted sum of its entries, in ascending flat index.
+// Blocks over (output row, chunk of H): the weighted sum of the row's entries, in ascending
+// flat index (the sorted order), float32.
 template <typename X, typename O, int V>
-__global__ void gather_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals, const int32_t* seg) {
+__global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals,
+                                                                     const int32_t* seg) {
   const X* xs = static_cast<const X*>(a.x);
-  O* out = static_cast<O*>(a.out);
   const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.tokens * a.topk;
+  const int64_t h = (blockIdx.y * int64_t(kGatherThreads) + threadIdx.x) * V;
+  if (h >= H) return;
   for (int64_t g = blockIdx.x; g < a.batch * R; g += gridDim.x) {
     const int64_t b = g / R, r = g % R;
     const int64_t begin = seg[b * (R + 1) + r], end = seg[b * (R + 1) + r + 1];
-    for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
-      float acc[V] = {};
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
-        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
-        float f[V];
-        load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
+    float acc[V] = {};
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
+      const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+      float f[V];
+      load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
-      }
-      store_f32<O, V>(out + g * H + h, acc);
+      for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
     }
+    store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
   }
 }
 
@@ -369,8 +503,26 @@ cudaError_t scatter_workspace_bytes(int64_t batch, int64_t entries, int64_t rows
   return sort_space_bytes(items, batch * (rows + 1) + 1, key_bits(uint64_t(batch) * (rows + 1) - 1), bytes);
 }
 
+cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, row_bytes = a.hidden_size * a.elem_bytes;
+  const int end_bit = key_bits(uint64_t(a.num_local) + 1);
+  return with_access_type(std::max<int64_t>(row_bytes, 1), {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
+    using V = typename decltype(tag)::type;
+    const int64_t chunks = std::max<int64_t>(1, (row_bytes / int64_t{sizeof(V)} + kSmallThreads - 1) / kSmallThreads);
+    const int64_t units = std::max(a.tokens, a.rows) * chunks;
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 1024))),
+                    static_cast<unsigned>(a.batch));
+    if (n <= 256) permute_small_kernel<1, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
+    else if (n <= 1024) permute_small_kernel<4, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
+    else permute_small_kernel<8, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
+    return cudaGetLastError();
+  });
+}
+
 cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk, total = a.batch * n, L = a.num_local;
+  if (a.batch == 0) return cudaSuccess;
+  if (n <= kSmallMaxEntries && L <= kSmallMaxLocal && a.batch <= 65535) return permute_small(a, stream);
   const int bits = key_bits(uint64_t(a.batch) * (L + 1) - 1);
   const int64_t extra = a.batch * (L + 2) + a.batch * (L + 1);
   size_t cub_bytes = 0;
@@ -398,7 +550,8 @@ cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
   if (row_bytes == 0) return cudaSuccess;
   return with_access_type(row_bytes, {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
     using V = typename decltype(tag)::type;
-    copy_rows_kernel<V><<<blocks_for(a.batch * a.tokens, 1), 128, 0, stream>>>(
+    const int64_t chunks = (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk;
+    copy_rows_kernel<V><<<blocks_for(a.batch * a.tokens * chunks, 1), kCopyThreads, 0, stream>>>(
         static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, a.row_map, a.tokens, a.topk,
         a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
     MOE_CHECK_LAUNCH();
@@ -419,9 +572,8 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
       constexpr int kVec = 16 / sizeof(X);
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
                        reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
-      const int grid = blocks_for(a.batch * a.tokens, 1);
-      if (vec) unpermute_kernel<X, O, kVec><<<grid, 128, 0, stream>>>(a);
-      else unpermute_kernel<X, O, 1><<<grid, 128, 0, stream>>>(a);
+      if (vec) unpermute_kernel<X, O, kVec><<<gather_grid(a.batch * a.tokens, a.hidden_size, kVec), kGatherThreads, 0, stream>>>(a);
+      else unpermute_kernel<X, O, 1><<<gather_grid(a.batch * a.tokens, a.hidden_size, 1), kGatherThreads, 0, stream>>>(a);
       result = cudaGetLastError();
     });
   });
@@ -454,9 +606,8 @@ cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
       constexpr int kVec = 16 / sizeof(X);
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
                        reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
-      const int grid = blocks_for(a.batch * R, 1);
-      if (vec) gather_rows_kernel<X, O, kVec><<<grid, 128, 0, stream>>>(a, s.vals_out, s.extra);
-      else gather_rows_kernel<X, O, 1><<<grid, 128, 0, stream>>>(a, s.vals_out, s.extra);
+      if (vec) gather_rows_kernel<X, O, kVec><<<gather_grid(a.batch * R, a.hidden_size, kVec), kGatherThreads, 0, stream>>>(a, s.vals_out, s.extra);
+      else gather_rows_kernel<X, O, 1><<<gather_grid(a.batch * R, a.hidden_size, 1), kGatherThreads, 0, stream>>>(a, s.vals_out, s.extra);
       result = cudaGetLastError();
     });
   });

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Reference matmuls in the tests (ragged_dot, einsum) must not use TF32 on GPUs.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
 WEIGHT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
