@@ -1,0 +1,50 @@
+"""Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
+odd H, expert_map, align_size, both permute paths (one-launch and sorted), forward and backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_permute as jmp
+
+
+def run(T, H, E, K, dtype=jnp.bfloat16, with_map=False, align_size=1, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    hidden = jax.random.normal(k[0], (T, H)).astype(dtype)
+    ids = jax.random.randint(k[1], (T, K), -2, E + 2)  # invalid ids and duplicates
+    weights = jax.random.uniform(k[2], (T, K))
+    L = max(1, E // 2)
+    expert_map = jnp.where(jax.random.uniform(k[3], (E,)) < 0.5, -1, jnp.arange(E) % L) if with_map else None
+
+    def loss(h, w):
+        res = jmp.moe_permute(h, ids, E, expert_map=expert_map, num_local_experts=L if with_map else None,
+                              align_size=align_size)
+        out = jmp.moe_unpermute(res.hidden, res.row_map, w, out_dtype=jnp.float32)
+        return jnp.sum(out**2), res
+
+    (value, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden.astype(jnp.float32)
+                                                                                          if dtype == jnp.float8_e4m3fn
+                                                                                          else hidden, weights)
+    jax.block_until_ready((value, res, grads))
+    return float(value)
+
+
+CASES = [
+    dict(T=0, H=8, E=4, K=2),
+    dict(T=1, H=7, E=3, K=8),
+    dict(T=37, H=33, E=5, K=3, align_size=4),
+    dict(T=64, H=64, E=16, K=4, with_map=True, align_size=8),
+    dict(T=700, H=24, E=64, K=4, with_map=True),  # more than 2048 entries: the sorted path
+    dict(T=600, H=16, E=8, K=6, align_size=16, dtype=jnp.float32),
+    dict(T=9, H=1, E=2, K=3, dtype=jnp.float16),
+]
+
+if __name__ == "__main__":
+    for case in CASES:
+        print(case, run(**case))
+    # vmapped: one launch for the batch
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, 20, 16)).astype(jnp.bfloat16)
+    ids = jax.random.randint(jax.random.PRNGKey(2), (3, 20, 2), -1, 9)
+    out = jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=4)))(h, ids)
+    jax.block_until_ready(out)
+    print("SANITIZE CASES DONE")
