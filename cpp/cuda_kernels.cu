@@ -67,11 +67,26 @@ __device__ __forceinline__ void load_f32(const T* p, float (&f)[V]) {
 }
 template <typename T, int V>
 __device__ __forceinline__ void store_f32(T* p, const float (&f)[V]) {
+  Vec<T, V> x;
 #pragma unroll
-  for (int i = 0; i < V; ++i) p[i] = from_f32<T>(f[i]);
+  for (int i = 0; i < V; ++i) x.v[i] = from_f32<T>(f[i]);
+  *reinterpret_cast<Vec<T, V>*>(p) = x;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Multiprocessors of the current device, read once per device (no synchronisation).
+int64_t multiprocessors() {
+  static int cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = count > 0 ? count : 132;
+  }
+  return cached[device];
+}
 
 __device__ __forceinline__ float weight_at(const void* w, Dtype d, int64_t i) {
   if (w == nullptr) return 1.0f;
@@ -367,26 +382,23 @@ __device__ __forceinline__ void accumulate_rows(const X* x, int64_t H, int64_t h
                                                 int64_t num_rows, int64_t K, const void* w, Dtype w_dtype,
                                                 int64_t w_base, float (&acc)[V]) {
   for (int64_t k0 = 0; k0 < K; k0 += 4) {
-    float f[4][V], wk[4];
+    Vec<X, V> raw[4];  // staged as loaded (16 bytes each): converted only when summed
+    float wk[4];
+    bool valid[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t r = k0 + j < K ? rows[k0 + j] : -1;
-      wk[j] = 0.0f;
-      if (r >= 0 && r < num_rows) {
-        load_f32<X, V>(x + r * H + h, f[j]);
+      valid[j] = r >= 0 && r < num_rows;
+      if (valid[j]) {
+        raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + r * H + h);
         wk[j] = weight_at(w, w_dtype, w_base + k0 + j);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) f[j][i] = 0.0f;
       }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (k0 + j >= K) break;
-      const int64_t r = rows[k0 + j];
-      if (r < 0 || r >= num_rows) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
+      if (!valid[j]) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += wk[j] * f[j][i];
+      for (int i = 0; i < V; ++i) acc[i] += wk[j] * to_f32(raw[j].v[i]);
     }
   }
 }
@@ -510,9 +522,11 @@ cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
     using V = typename decltype(tag)::type;
     const int64_t chunks = std::max<int64_t>(1, (row_bytes / int64_t{sizeof(V)} + kSmallThreads - 1) / kSmallThreads);
     const int64_t units = std::max(a.tokens, a.rows) * chunks;
-    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 1024))),
+    // Every block pays for the routing: use about two blocks per multiprocessor, not one per unit.
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 2 * multiprocessors()))),
                     static_cast<unsigned>(a.batch));
     if (n <= 256) permute_small_kernel<1, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
+    else if (n <= 512) permute_small_kernel<2, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
     else if (n <= 1024) permute_small_kernel<4, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
     else permute_small_kernel<8, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
     return cudaGetLastError();

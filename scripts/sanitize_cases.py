@@ -16,17 +16,20 @@ def run(T, H, E, K, dtype=jnp.bfloat16, with_map=False, align_size=1, seed=0):
     L = max(1, E // 2)
     expert_map = jnp.where(jax.random.uniform(k[3], (E,)) < 0.5, -1, jnp.arange(E) % L) if with_map else None
 
-    def loss(h, w):
+    def forward(h, w):
         res = jmp.moe_permute(h, ids, E, expert_map=expert_map, num_local_experts=L if with_map else None,
                               align_size=align_size)
-        out = jmp.moe_unpermute(res.hidden, res.row_map, w, out_dtype=jnp.float32)
-        return jnp.sum(out**2), res
+        return jmp.moe_unpermute(res.hidden, res.row_map, w, out_dtype=jnp.float32), res
 
-    (value, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden.astype(jnp.float32)
-                                                                                          if dtype == jnp.float8_e4m3fn
-                                                                                          else hidden, weights)
-    jax.block_until_ready((value, res, grads))
-    return float(value)
+    def backward(h, w, ct):
+        _, pullback = jax.vjp(lambda a, b: forward(a, b)[0], h, w)
+        return pullback(ct)
+
+    out, res = jax.jit(forward)(hidden, weights)
+    grads = jax.jit(backward)(hidden, weights, jax.random.normal(k[3], out.shape))
+    # Host copies of our kernels' outputs only: initcheck flags every uninitialised byte read.
+    arrays = [np.asarray(x) for x in (out, *res, *grads)]
+    return [a.shape for a in arrays]
 
 
 CASES = [
