@@ -177,7 +177,8 @@ __global__ void expert_keys_kernel(const int32_t* ids, int64_t ids_bstride, cons
 // One block per example: expert segment bounds in the sorted keys, then block starts.
 // seg: [B, L+2] segment bounds; starts: [B, L+1] first row of each block, then the total.
 __global__ void expert_layout_kernel(const uint32_t* sorted_keys, int64_t total, int32_t num_local,
-                                     int64_t align, int32_t* seg, int32_t* starts, int32_t* group_sizes) {
+                                     int64_t align, int32_t* seg, int32_t* starts, int32_t* counts,
+                                     int32_t* group_sizes) {
   using Scan = cub::BlockScan<int64_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int64_t carry;
@@ -194,6 +195,7 @@ __global__ void expert_layout_kernel(const uint32_t* sorted_keys, int64_t total,
     Scan(scan_storage).ExclusiveSum(padded, offset, chunk_total);
     if (e < L) {
       starts[b * (L + 1) + e] = static_cast<int32_t>(carry + offset);
+      counts[b * L + e] = my_seg[e + 1] - my_seg[e];
       group_sizes[b * L + e] = static_cast<int32_t>(padded);
     }
     __syncthreads();
@@ -244,8 +246,9 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
 }
 
 // One warp per output row: zero the rows that hold no entry (block padding, tail).
+// counts: [B, L] entries of each expert; starts: [B, L+1] first row of each block, then the total.
 template <typename V>
-__global__ void zero_padding_kernel(const int32_t* seg, const int32_t* starts, int32_t num_local, int64_t batch,
+__global__ void zero_padding_kernel(const int32_t* counts, const int32_t* starts, int32_t num_local, int64_t batch,
                                     int64_t rows, int64_t row_bytes, char* out) {
   const int64_t L = num_local, nvec = row_bytes / sizeof(V);
   const int lane = threadIdx.x % 32;
@@ -258,10 +261,139 @@ __global__ void zero_padding_kernel(const int32_t* seg, const int32_t* starts, i
       const int64_t mid = (lo + hi + 1) / 2;
       if (st[mid] <= r) lo = mid; else hi = mid - 1;
     }
-    const bool padding = lo == L || r >= st[lo] + (seg[b * (L + 2) + lo + 1] - seg[b * (L + 2) + lo]);
+    const bool padding = lo == L || r >= st[lo] + counts[b * L + lo];
     if (!padding) continue;
     V* dst = reinterpret_cast<V*>(out + w * row_bytes);
     for (int64_t v = lane; v < nvec; v += 32) dst[v] = V{};
+  }
+}
+
+// ---- permute, large batches: a tiled counting sort -------------------------------------
+// 1. Each block sorts one tile of 2048 entries by local expert (stable block radix sort) and
+//    records the tile's per-expert counts and where each expert starts inside the tile.
+// 2. One block per example turns counts into padded expert blocks and each tile's first row
+//    per expert.
+// 3. Every sorted entry then knows its row: tile offset + position within its tile segment.
+constexpr int kTileThreads = 256, kTileItems = 8;
+constexpr int64_t kTileEntries = int64_t{kTileThreads} * kTileItems;
+constexpr int kOffsetThreads = 1024;  // one thread per local expert (L <= kSmallMaxLocal)
+
+struct TileSpace {
+  uint32_t* keys;    // [B * tiles * kTileEntries] sorted keys of each tile
+  int32_t* vals;     // [B * tiles * kTileEntries] tile-local entry index of each sorted key
+  int32_t* hist;     // [B * tiles * L] entries of expert e in the tile
+  int32_t* seg;      // [B * tiles * L] position of expert e's first entry in the sorted tile
+  int32_t* offset;   // [B * tiles * L] row of expert e's first entry of the tile
+  int32_t* starts;   // [B * (L + 1)]
+  int32_t* counts;   // [B * L]
+};
+
+int64_t tiles_of(int64_t entries) { return std::max<int64_t>(1, (entries + kTileEntries - 1) / kTileEntries); }
+
+int64_t tile_space_bytes(int64_t batch, int64_t entries, int64_t L) {
+  const int64_t slots = batch * tiles_of(entries);
+  return 2 * pad256(4 * slots * kTileEntries) + 3 * pad256(4 * slots * L) + pad256(4 * batch * (L + 1)) +
+         pad256(4 * batch * L);
+}
+
+TileSpace carve_tiles(void* ws, int64_t batch, int64_t entries, int64_t L) {
+  const int64_t slots = batch * tiles_of(entries);
+  char* p = static_cast<char*>(ws);
+  auto take = [&](int64_t count) { char* q = p; p += pad256(4 * count); return q; };
+  TileSpace t;
+  t.keys = reinterpret_cast<uint32_t*>(take(slots * kTileEntries));
+  t.vals = reinterpret_cast<int32_t*>(take(slots * kTileEntries));
+  t.hist = reinterpret_cast<int32_t*>(take(slots * L));
+  t.seg = reinterpret_cast<int32_t*>(take(slots * L));
+  t.offset = reinterpret_cast<int32_t*>(take(slots * L));
+  t.starts = reinterpret_cast<int32_t*>(take(batch * (L + 1)));
+  t.counts = reinterpret_cast<int32_t*>(take(batch * L));
+  return t;
+}
+
+__global__ void __launch_bounds__(kTileThreads) tile_sort_kernel(PermuteArgs a, TileSpace ts, int end_bit) {
+  using Sort = cub::BlockRadixSort<uint32_t, kTileThreads, kTileItems, int32_t>;
+  using Scan = cub::BlockScan<int32_t, kTileThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int32_t counts[1024];
+  const int64_t b = blockIdx.y, tiles = gridDim.x, slot = b * tiles + blockIdx.x;
+  const int64_t n = a.tokens * a.topk, L = a.num_local, first = blockIdx.x * kTileEntries;
+  const int64_t size = n - first < kTileEntries ? n - first : kTileEntries;
+  const int32_t* ids = a.ids + b * a.ids_bstride + first;
+  const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
+  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  uint32_t keys[kTileItems];
+  int32_t vals[kTileItems];
+#pragma unroll
+  for (int j = 0; j < kTileItems; ++j) {
+    const int32_t i = threadIdx.x * kTileItems + j;
+    vals[j] = i;
+    keys[j] = static_cast<uint32_t>(L + 1);
+    if (i < size) {
+      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
+      keys[j] = static_cast<uint32_t>(e);
+      if (e < L) atomicAdd(&counts[e], 1);
+    }
+  }
+  Sort(tmp.sort).Sort(keys, vals, 0, end_bit);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTileItems; ++j) {
+    const int64_t p = slot * kTileEntries + threadIdx.x * kTileItems + j;
+    ts.keys[p] = keys[j];
+    ts.vals[p] = vals[j];
+  }
+  int32_t carry = 0;
+  for (int64_t e0 = 0; e0 < L; e0 += kTileThreads) {
+    const int64_t e = e0 + threadIdx.x;
+    const int32_t c = e < L ? counts[e] : 0;
+    int32_t before, total;
+    Scan(tmp.scan).ExclusiveSum(c, before, total);
+    __syncthreads();
+    if (e < L) {
+      ts.hist[slot * L + e] = c;
+      ts.seg[slot * L + e] = carry + before;
+    }
+    carry += total;
+  }
+}
+
+__global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
+  using Scan = cub::BlockScan<int32_t, kOffsetThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int64_t b = blockIdx.x, L = a.num_local, e = threadIdx.x;
+  int32_t count = 0;
+  if (e < L)
+    for (int64_t t = 0; t < tiles; ++t) count += ts.hist[(b * tiles + t) * L + e];
+  const int32_t padded = e < L ? static_cast<int32_t>(round_up(count, a.align)) : 0;
+  int32_t start, total;
+  Scan(scan).ExclusiveSum(padded, start, total);
+  if (e < L) {
+    ts.starts[b * (L + 1) + e] = start;
+    ts.counts[b * L + e] = count;
+    a.group_sizes[b * L + e] = padded;
+    int32_t row = start;
+    for (int64_t t = 0; t < tiles; ++t) {
+      ts.offset[(b * tiles + t) * L + e] = row;
+      row += ts.hist[(b * tiles + t) * L + e];
+    }
+  }
+  if (e == 0) ts.starts[b * (L + 1) + L] = total;
+}
+
+__global__ void tile_rows_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
+  const int64_t n = a.tokens * a.topk, L = a.num_local, positions = a.batch * tiles * kTileEntries;
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < positions;
+       q += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t slot = q / kTileEntries, p = q % kTileEntries, b = slot / tiles, tile = slot % tiles;
+    const int64_t i = tile * kTileEntries + ts.vals[q];
+    if (i >= n) continue;  // past the last entry (the tile's padding sorts last)
+    const int64_t e = ts.keys[q];
+    a.row_map[b * n + i] = e < L ? ts.offset[slot * L + e] + static_cast<int32_t>(p - ts.seg[slot * L + e]) : -1;
   }
 }
 
@@ -374,31 +506,36 @@ cudaError_t with_access_type(int64_t row_bytes, std::initializer_list<const void
 
 // ---- unpermute ---------------------------------------------------------------------------
 // Blocks over (token, chunk of H): each thread owns V consecutive features, gathers them from
-// the token's K rows (four loads in flight at a time) and accumulates in float32, in ascending k.
-constexpr int kGatherThreads = 128;
+// the token's K rows (four 16-byte loads in flight at a time) and accumulates in float32, in
+// ascending k. (Measured on the H200: staging raw vectors, or eight loads in flight, or a
+// register cap for more resident blocks were each slower or spilled.)
+constexpr int kGatherThreads = 128, kGatherVecBytes = 16;
 
 template <typename X, int V>
 __device__ __forceinline__ void accumulate_rows(const X* x, int64_t H, int64_t h, const int32_t* rows,
                                                 int64_t num_rows, int64_t K, const void* w, Dtype w_dtype,
                                                 int64_t w_base, float (&acc)[V]) {
   for (int64_t k0 = 0; k0 < K; k0 += 4) {
-    Vec<X, V> raw[4];  // staged as loaded (16 bytes each): converted only when summed
-    float wk[4];
-    bool valid[4];
+    float f[4][V], wk[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t r = k0 + j < K ? rows[k0 + j] : -1;
-      valid[j] = r >= 0 && r < num_rows;
-      if (valid[j]) {
-        raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + r * H + h);
+      wk[j] = 0.0f;
+      if (r >= 0 && r < num_rows) {
+        load_f32<X, V>(x + r * H + h, f[j]);
         wk[j] = weight_at(w, w_dtype, w_base + k0 + j);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[j][i] = 0.0f;
       }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (!valid[j]) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
+      if (k0 + j >= K) break;
+      const int64_t r = rows[k0 + j];
+      if (r < 0 || r >= num_rows) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += wk[j] * to_f32(raw[j].v[i]);
+      for (int i = 0; i < V; ++i) acc[i] += wk[j] * f[j][i];
     }
   }
 }
@@ -504,9 +641,15 @@ __global__ void weight_grad_kernel(WeightGradArgs a) {
 
 }  // namespace
 
+bool use_tiles(int64_t num_local) { return num_local <= kSmallMaxLocal; }
+
 cudaError_t permute_workspace_bytes(int64_t batch, int64_t entries, int64_t num_local, int64_t* bytes) {
+  if (use_tiles(num_local)) {
+    *bytes = tile_space_bytes(batch, entries, num_local);
+    return cudaSuccess;
+  }
   const int64_t items = batch * entries;
-  const int64_t extra = batch * (num_local + 2) + batch * (num_local + 1);
+  const int64_t extra = batch * (num_local + 2) + batch * (num_local + 1) + batch * num_local;
   return sort_space_bytes(items, extra, key_bits(uint64_t(batch) * (num_local + 1) - 1), bytes);
 }
 
@@ -533,33 +676,8 @@ cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
   });
 }
 
-cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
-  const int64_t n = a.tokens * a.topk, total = a.batch * n, L = a.num_local;
-  if (a.batch == 0) return cudaSuccess;
-  if (n <= kSmallMaxEntries && L <= kSmallMaxLocal && a.batch <= 65535) return permute_small(a, stream);
-  const int bits = key_bits(uint64_t(a.batch) * (L + 1) - 1);
-  const int64_t extra = a.batch * (L + 2) + a.batch * (L + 1);
-  size_t cub_bytes = 0;
-  if (cudaError_t err = cub_sort_bytes(total, bits, &cub_bytes); err != cudaSuccess) return err;
-  SortSpace s = carve(a.workspace, total, extra, cub_bytes);
-  int32_t* seg = s.extra;
-  int32_t* starts = seg + a.batch * (L + 2);
-  if (total > 0) {
-    expert_keys_kernel<<<blocks_for(total), kThreads, 0, stream>>>(a.ids, a.ids_bstride, a.expert_map,
-                                                                   a.map_bstride, n, total, a.num_experts,
-                                                                   a.num_local, s.keys_in, s.vals_in);
-    MOE_CHECK_LAUNCH();
-    if (cudaError_t err = run_sort(s, total, bits, stream); err != cudaSuccess) return err;
-  }
-  if (a.batch > 0) {
-    expert_layout_kernel<<<static_cast<int>(a.batch), kThreads, 0, stream>>>(s.keys_out, total, a.num_local,
-                                                                             a.align, seg, starts, a.group_sizes);
-    MOE_CHECK_LAUNCH();
-  }
-  if (total == 0) return cudaSuccess;
-  assign_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(s.keys_out, s.vals_out, total, a.num_local, seg,
-                                                                 starts, a.row_map);
-  MOE_CHECK_LAUNCH();
+// Copies each token row to its K rows, then zeroes the rows no entry holds.
+cudaError_t copy_and_zero(const PermuteArgs& a, const int32_t* counts, const int32_t* starts, cudaStream_t stream) {
   const int64_t row_bytes = a.hidden_size * a.elem_bytes;
   if (row_bytes == 0) return cudaSuccess;
   return with_access_type(row_bytes, {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
@@ -570,10 +688,57 @@ cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
         a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
     MOE_CHECK_LAUNCH();
     zero_padding_kernel<V><<<blocks_for(a.batch * a.rows, kThreads / 32), kThreads, 0, stream>>>(
-        seg, starts, a.num_local, a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
+        counts, starts, a.num_local, a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
     MOE_CHECK_LAUNCH();
     return cudaSuccess;
   });
+}
+
+cudaError_t permute_tiled(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, tiles = tiles_of(n);
+  const TileSpace ts = carve_tiles(a.workspace, a.batch, n, a.num_local);
+  const int end_bit = key_bits(uint64_t(a.num_local) + 1);
+  tile_sort_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(a.batch)), kTileThreads, 0, stream>>>(
+      a, ts, end_bit);
+  MOE_CHECK_LAUNCH();
+  tile_offsets_kernel<<<static_cast<unsigned>(a.batch), kOffsetThreads, 0, stream>>>(a, ts, tiles);
+  MOE_CHECK_LAUNCH();
+  tile_rows_kernel<<<blocks_for(a.batch * tiles * kTileEntries), kThreads, 0, stream>>>(a, ts, tiles);
+  MOE_CHECK_LAUNCH();
+  return copy_and_zero(a, ts.counts, ts.starts, stream);
+}
+
+// Fallback for more than kSmallMaxLocal local experts: a CUB radix sort of (batch, expert) keys.
+cudaError_t permute_sorted(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, total = a.batch * n, L = a.num_local;
+  const int bits = key_bits(uint64_t(a.batch) * (L + 1) - 1);
+  const int64_t extra = a.batch * (L + 2) + a.batch * (L + 1) + a.batch * L;
+  size_t cub_bytes = 0;
+  if (cudaError_t err = cub_sort_bytes(total, bits, &cub_bytes); err != cudaSuccess) return err;
+  SortSpace s = carve(a.workspace, total, extra, cub_bytes);
+  int32_t* seg = s.extra;
+  int32_t* starts = seg + a.batch * (L + 2);
+  int32_t* counts = starts + a.batch * (L + 1);
+  expert_keys_kernel<<<blocks_for(total), kThreads, 0, stream>>>(a.ids, a.ids_bstride, a.expert_map,
+                                                                 a.map_bstride, n, total, a.num_experts,
+                                                                 a.num_local, s.keys_in, s.vals_in);
+  MOE_CHECK_LAUNCH();
+  if (cudaError_t err = run_sort(s, total, bits, stream); err != cudaSuccess) return err;
+  expert_layout_kernel<<<static_cast<int>(a.batch), kThreads, 0, stream>>>(s.keys_out, total, a.num_local, a.align,
+                                                                           seg, starts, counts, a.group_sizes);
+  MOE_CHECK_LAUNCH();
+  assign_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(s.keys_out, s.vals_out, total, a.num_local, seg,
+                                                                 starts, a.row_map);
+  MOE_CHECK_LAUNCH();
+  return copy_and_zero(a, counts, starts, stream);
+}
+
+cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk;
+  if (a.batch == 0) return cudaSuccess;
+  if (a.batch > 65535) return cudaErrorInvalidValue;  // grid.y
+  if (n <= kSmallMaxEntries && a.num_local <= kSmallMaxLocal) return permute_small(a, stream);
+  return use_tiles(a.num_local) ? permute_tiled(a, stream) : permute_sorted(a, stream);
 }
 
 cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
@@ -583,7 +748,7 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
     using X = typename decltype(xtag)::type;
     visit_output(a.out_dtype, [&](auto otag) {
       using O = typename decltype(otag)::type;
-      constexpr int kVec = 16 / sizeof(X);
+      constexpr int kVec = kGatherVecBytes / sizeof(X);
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
                        reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
       if (vec) unpermute_kernel<X, O, kVec><<<gather_grid(a.batch * a.tokens, a.hidden_size, kVec), kGatherThreads, 0, stream>>>(a);

@@ -18,6 +18,11 @@ SHAPES = [
     (129, 4096, 8, 2),
     (1000, 64, 256, 8),
     (1031, 5, 1, 3),
+    # On CUDA: more than 2048 entries take the tiled sort, more than 1023 local experts the
+    # radix-sort fallback.
+    (700, 16, 64, 4),
+    (300, 16, 2000, 8),
+    (5, 3, 1500, 2),
 ]
 
 
@@ -162,6 +167,19 @@ def test_result_is_a_pytree():
     assert len(jax.tree.leaves(res)) == 3
     out = jax.jit(lambda r: r)(res)
     assert isinstance(out, jmp.PermuteResult)
+
+
+@pytest.mark.parametrize("T,E", [(30, 8), (700, 64), (300, 1100)])
+def test_vmap_folds_the_batch_on_every_path(T, E):
+    K, B = 4, 3
+    hidden = random_float((B, T, 8), jnp.bfloat16)
+    ids = random_ids(B * T, K, E).reshape(B, T, K)
+    f = lambda h, i: jmp.moe_permute(h, i, E, align_size=4)
+    got = jax.jit(jax.vmap(f))(hidden, ids)
+    for b in range(B):
+        want = jmp.reference.moe_permute(hidden[b], ids[b], E, align_size=4)
+        for g, w in zip(got, want):
+            assert_bits_equal(g[b], w)
 
 
 def test_expert_map_is_traced():
