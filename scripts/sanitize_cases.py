@@ -1,5 +1,6 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
-odd H, expert_map, align_size, both permute paths (one-launch and sorted), forward and backward."""
+odd H, expert_map, align_size, every permute path (one-launch, tiled, radix sort), forward and
+backward."""
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,8 @@ CASES = [
     dict(T=1, H=7, E=3, K=8),
     dict(T=37, H=33, E=5, K=3, align_size=4),
     dict(T=64, H=64, E=16, K=4, with_map=True, align_size=8),
-    dict(T=700, H=24, E=64, K=4, with_map=True),  # more than 2048 entries: the sorted path
+    dict(T=700, H=24, E=64, K=4, with_map=True),  # more than 2048 entries: the tiled sort
+    dict(T=300, H=8, E=2100, K=8, align_size=2),  # more than 1023 local experts: the radix sort
     dict(T=600, H=16, E=8, K=6, align_size=16, dtype=jnp.float32),
     dict(T=9, H=1, E=2, K=3, dtype=jnp.float16),
 ]
