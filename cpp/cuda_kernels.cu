@@ -150,6 +150,7 @@ SortSpace carve(void* ws, int64_t items, int64_t extra, size_t cub_bytes) {
 
 cudaError_t run_sort(const SortSpace& s, int64_t items, int bits, cudaStream_t stream) {
   if (items == 0) return cudaSuccess;
+  if (items > INT32_MAX) return cudaErrorInvalidValue;  // CUB counts items in int
   size_t bytes = s.cub_bytes;
   return cub::DeviceRadixSort::SortPairs(s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
                                          static_cast<int>(items), 0, bits, stream);
@@ -268,6 +269,25 @@ __global__ void zero_padding_kernel(const int32_t* counts, const int32_t* starts
   }
 }
 
+// Loads the local-expert keys of up to kThreads * kItems entries in blocked order (entries past
+// `size` get key L + 1, which sorts last) and counts each expert's entries in shared `counts`.
+template <int kItems>
+__device__ __forceinline__ void load_expert_keys(const PermuteArgs& a, const int32_t* ids, const int32_t* map,
+                                                 int64_t size, uint32_t (&keys)[kItems], int32_t (&vals)[kItems],
+                                                 int32_t* counts) {
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int32_t i = threadIdx.x * kItems + j;
+    vals[j] = i;
+    keys[j] = static_cast<uint32_t>(a.num_local + 1);
+    if (i < size) {
+      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
+      keys[j] = static_cast<uint32_t>(e);
+      if (e < a.num_local) atomicAdd(&counts[e], 1);
+    }
+  }
+}
+
 // ---- permute, large batches: a tiled counting sort -------------------------------------
 // 1. Each block sorts one tile of 2048 entries by local expert (stable block radix sort) and
 //    records the tile's per-expert counts and where each expert starts inside the tile.
@@ -328,17 +348,7 @@ __global__ void __launch_bounds__(kTileThreads) tile_sort_kernel(PermuteArgs a, 
   __syncthreads();
   uint32_t keys[kTileItems];
   int32_t vals[kTileItems];
-#pragma unroll
-  for (int j = 0; j < kTileItems; ++j) {
-    const int32_t i = threadIdx.x * kTileItems + j;
-    vals[j] = i;
-    keys[j] = static_cast<uint32_t>(L + 1);
-    if (i < size) {
-      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
-      keys[j] = static_cast<uint32_t>(e);
-      if (e < L) atomicAdd(&counts[e], 1);
-    }
-  }
+  load_expert_keys<kTileItems>(a, ids, map, size, keys, vals, counts);
   Sort(tmp.sort).Sort(keys, vals, 0, end_bit);
   __syncthreads();
 #pragma unroll
@@ -423,17 +433,7 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
 
   uint32_t keys[kItems];
   int32_t vals[kItems];
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    const int32_t i = threadIdx.x * kItems + j;
-    vals[j] = i;
-    keys[j] = static_cast<uint32_t>(L + 1);  // past the end: sorts after every entry
-    if (i < n) {
-      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
-      keys[j] = static_cast<uint32_t>(e);
-      if (e < L) atomicAdd(&counts[e], 1);
-    }
-  }
+  load_expert_keys<kItems>(a, ids, map, n, keys, vals, counts);
   Sort(tmp.sort).Sort(keys, vals, 0, end_bit);  // stable: flat index order within an expert
   __syncthreads();
 
