@@ -41,10 +41,6 @@ def _batch(*avals) -> int:
     return batch
 
 
-def _i64(**params):
-    return {k: np.int64(v) for k, v in params.items()}
-
-
 def placeholder(ndim: int, dtype=jnp.float32) -> jax.Array:
     """The operand passed where expert_map / weights are absent."""
     return jnp.zeros((1,) * ndim, dtype)
@@ -171,7 +167,7 @@ _lower_weight_grad = _ffi_rule("weight_grad", ())
 
 
 # On platforms without our kernels, each primitive lowers through the jnp reference.
-def _per_example(fn, args, n_out=1):
+def _per_example(fn, args):
     """Applies single-example `fn` over the leading batch axis, broadcasting extent-1 operands."""
     B = max(a.shape[0] for a in args)
     if B == 1:
