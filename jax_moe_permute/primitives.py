@@ -19,6 +19,8 @@ static parameter has_map / has_weights.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -97,7 +99,10 @@ def _weight_grad_abstract(c, x, row_map, *, out_dtype):
 def _primitive(name, abstract, multiple_results=False):
     p = Primitive(name)
     p.multiple_results = multiple_results
-    p.def_impl(lambda *args, **params: jax.jit(lambda *a: p.bind(*a, **params))(*args))
+    # Eager calls run the op compiled on its own; one jitted bind per primitive, with the
+    # static parameters (the abstract eval's keyword-only arguments) as cache keys.
+    static = [n for n, a in inspect.signature(abstract).parameters.items() if a.kind == a.KEYWORD_ONLY]
+    p.def_impl(jax.jit(p.bind, static_argnames=static))
     p.def_abstract_eval(abstract)
     return p
 
