@@ -58,7 +58,8 @@ def device_us(f: Callable, *args, iterations: int = 20) -> float:
 
 
 def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
-    """Read+write bandwidth of a large device-to-device copy (torch's copy_ when available)."""
+    """Read+write bandwidth of a large copy: device-to-device (torch's copy_ when available) on
+    GPU, between two warm numpy buffers on CPU."""
     if on_gpu():
         try:
             import torch
@@ -80,11 +81,19 @@ def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
             return 2 * nbytes / statistics.median(times) / 1e12
         except ImportError:
             pass
-    else:
-        nbytes = min(nbytes, 2**28)
-    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
-    us = device_us(jax.jit(lambda a: a * jnp.bfloat16(-1)), x)
-    return 2 * nbytes / us / 1e6
+        x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+        us = device_us(jax.jit(lambda a: a * jnp.bfloat16(-1)), x)
+        return 2 * nbytes / us / 1e6
+    # CPU: a copy between two warm buffers (XLA's fresh outputs would add page faults).
+    a = np.random.default_rng(0).standard_normal(2**25).astype(np.float32)  # 128 MiB
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - start)
+    return 2 * a.nbytes / statistics.median(times) / 1e12
 
 
 def routing(T: int, E: int, K: int, seed: int = 0):
@@ -165,13 +174,18 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def progress(items, enabled=True):
+def progress(items):
+    """tqdm's bar when it is installed, else one `[i/n]` line per item on stderr."""
     try:
         from tqdm import tqdm
 
-        return tqdm(items, disable=not enabled, file=sys.stderr)
+        return tqdm(items, file=sys.stderr)
     except ImportError:
-        return items
+        def counted():
+            for i, item in enumerate(items, 1):
+                print(f"[{i}/{len(items)}] {item}", file=sys.stderr, flush=True)
+                yield item
+        return counted()
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,16 @@
+"""The benchmark runs end to end and writes the documented JSON rows."""
+
+import json
+
+from jax_moe_permute import bench
+
+
+def test_bench_writes_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    assert bench.main(["--model", "mixtral", "--tokens", "1,3", "--ops", ",".join(bench.OPS), "--iterations", "3",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * len(bench.OPS)
+    for row in rows:
+        assert {"model", "T", "H", "E", "K", "op", "us", "ref_us", "TBps", "copy_TBps"} <= row.keys()
+        assert row["us"] > 0 and row["ref_us"] > 0 and row["copy_TBps"] > 0
