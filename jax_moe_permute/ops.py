@@ -1,4 +1,7 @@
-"""The public operations: argument checking, static parameters, binding the primitives."""
+"""The public operations: rank/dtype checks, static parameters, binding the primitives.
+
+Shape consistency (T, expert_map, weights, the row bound) is checked once, in the
+primitives' abstract evaluation."""
 
 from __future__ import annotations
 
@@ -92,8 +95,6 @@ def moe_permute(
     _check_array(topk_ids, "topk_ids", op, 2, "[T, K]")
     _check_float(hidden, "hidden", op, HIDDEN_DTYPES)
     _check_int(topk_ids, "topk_ids", op)
-    if hidden.shape[0] != topk_ids.shape[0]:
-        raise ValueError(f"{op}: hidden has {hidden.shape[0]} tokens (T) but topk_ids has {topk_ids.shape[0]}")
     num_experts = _static_int(num_experts, "num_experts", op)
     align_size = _static_int(align_size, "align_size", op)
     if expert_map is None:
@@ -107,8 +108,6 @@ def moe_permute(
         num_local = _static_int(num_local_experts, "num_local_experts", op)
         _check_array(expert_map, "expert_map", op, 1, f"({num_experts},)")
         _check_int(expert_map, "expert_map", op)
-        if expert_map.shape != (num_experts,):
-            raise ValueError(f"{op}: expert_map must have shape ({num_experts},), got {tuple(expert_map.shape)}")
         map_operand = to_int32(expert_map)[None]
     rows, group_sizes, row_map = primitives.permute_p.bind(
         jnp.asarray(hidden)[None], to_int32(topk_ids)[None], map_operand, num_experts=num_experts,
@@ -143,9 +142,6 @@ def moe_unpermute(
     if topk_weights is not None:
         _check_array(topk_weights, "topk_weights", op, 2, "[T, K]")
         _check_float(topk_weights, "topk_weights", op, WEIGHT_DTYPES)
-        if topk_weights.shape != row_map.shape:
-            raise ValueError(f"{op}: topk_weights shape {tuple(topk_weights.shape)} differs from row_map shape "
-                             f"{tuple(row_map.shape)}")
         weights = jnp.asarray(topk_weights)[None]
     else:
         weights = primitives.placeholder(3)

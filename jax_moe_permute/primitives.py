@@ -54,9 +54,9 @@ def _permute_abstract(hidden, ids, expert_map, *, num_experts, num_local_experts
     B = _batch(hidden, ids, expert_map)
     _, T, K = ids.shape
     if hidden.shape[1] != T:
-        raise ValueError(f"moe_permute: hidden has {hidden.shape[1]} tokens but topk_ids has {T}")
+        raise ValueError(f"moe_permute: hidden has {hidden.shape[1]} tokens (T) but topk_ids has {T}")
     if has_map and expert_map.shape[1] != num_experts:
-        raise ValueError(f"moe_permute: expert_map must have shape ({num_experts},), got {expert_map.shape[1:]}")
+        raise ValueError(f"moe_permute: expert_map must have shape ({num_experts},), got {tuple(expert_map.shape[1:])}")
     rows = reference.permuted_rows(T * K, num_local_experts, align_size)
     if rows > MAX_ROWS:
         raise ValueError(
@@ -72,7 +72,8 @@ def _permute_abstract(hidden, ids, expert_map, *, num_experts, num_local_experts
 
 def _check_weights(weights, row_map, has_weights, op):
     if has_weights and weights.shape[1:] != row_map.shape[1:]:
-        raise ValueError(f"{op}: topk_weights shape {weights.shape[1:]} differs from row_map shape {row_map.shape[1:]}")
+        raise ValueError(f"{op}: topk_weights shape {tuple(weights.shape[1:])} differs from row_map shape "
+                         f"{tuple(row_map.shape[1:])}")
 
 
 def _unpermute_abstract(x, row_map, weights, *, out_dtype, has_weights):
