@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cub/cub.cuh>
 
 #include "moe_index.h"
@@ -220,12 +221,40 @@ __global__ void assign_rows_kernel(const uint32_t* sorted_keys, const uint32_t* 
 constexpr int kCopyThreads = 128, kUnroll = 4;
 constexpr int64_t kCopyChunk = int64_t{kCopyThreads} * kUnroll;  // vectors per block-chunk of a row
 
+// Where each example's expert blocks start and how many entries they hold.
+struct RowLayout {
+  const int32_t* starts;  // [B, L+1] first row of each expert block, then the rows in use
+  const int32_t* counts;  // [B, L] entries of each expert
+};
+
+template <typename V>
+__device__ __forceinline__ void zero_row(V* row, int64_t nvec) {
+  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) row[v] = V{};
+}
+
+// Zeroes the rows that hold no entry: each expert block's padding [starts[e] + counts[e],
+// starts[e+1]) (fewer than `align` rows) and the tail [starts[L], rows). Blocks stride over
+// candidate rows only, so nothing is spent without padding or dropped entries.
+template <typename V>
+__device__ void zero_unused_rows(RowLayout layout, int64_t L, int64_t align, int64_t batch, int64_t rows,
+                                 int64_t nvec, V* out) {
+  const int64_t per_example = L * (align - 1);
+  for (int64_t c = blockIdx.x; c < batch * per_example; c += gridDim.x) {
+    const int64_t b = c / per_example, e = c % per_example / (align - 1), j = c % per_example % (align - 1);
+    const int64_t r = layout.starts[b * (L + 1) + e] + layout.counts[b * L + e] + j;
+    if (r < layout.starts[b * (L + 1) + e + 1]) zero_row(out + (b * rows + r) * nvec, nvec);
+  }
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = layout.starts[b * (L + 1) + L] + blockIdx.x; r < rows; r += gridDim.x)
+      zero_row(out + (b * rows + r) * nvec, nvec);
+}
+
 // Blocks over (token, chunk of the row): the token's row is read once and written to each of
-// its K rows.
+// its K rows. Then the same blocks zero the rows no entry holds.
 template <typename V>
 __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
     const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map, int64_t tokens, int64_t topk,
-    int64_t batch, int64_t rows, int64_t row_bytes, char* out) {
+    int64_t batch, int64_t rows, int64_t row_bytes, RowLayout layout, int64_t L, int64_t align, char* out) {
   const int64_t nvec = row_bytes / sizeof(V), chunks = (nvec + kCopyChunk - 1) / kCopyChunk;
   for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
     const int64_t g = u / chunks, b = g / tokens, t = g % tokens, v0 = (u % chunks) * kCopyChunk + threadIdx.x;
@@ -244,30 +273,20 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
         if (v0 + j * kCopyThreads < nvec) dst[v0 + j * kCopyThreads] = value[j];
     }
   }
+  zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
 }
 
-// One warp per output row: zero the rows that hold no entry (block padding, tail).
-// counts: [B, L] entries of each expert; starts: [B, L+1] first row of each block, then the total.
-template <typename V>
-__global__ void zero_padding_kernel(const int32_t* counts, const int32_t* starts, int32_t num_local, int64_t batch,
-                                    int64_t rows, int64_t row_bytes, char* out) {
-  const int64_t L = num_local, nvec = row_bytes / sizeof(V);
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t w = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; w < batch * rows; w += warps) {
-    const int64_t b = w / rows, r = w % rows;
-    const int32_t* st = starts + b * (L + 1);
-    int64_t lo = 0, hi = L;  // the last j in [0, L] with st[j] <= r
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (st[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    const bool padding = lo == L || r >= st[lo] + counts[b * L + lo];
-    if (!padding) continue;
-    V* dst = reinterpret_cast<V*>(out + w * row_bytes);
-    for (int64_t v = lane; v < nvec; v += 32) dst[v] = V{};
-  }
-}
+// A block's stable radix sort of (local expert, entry) pairs and the scan over experts that
+// follows it; they run one after the other, so they share shared memory.
+template <int kBlockThreads, int kItems>
+struct ExpertSort {
+  using Sort = cub::BlockRadixSort<uint32_t, kBlockThreads, kItems, int32_t>;
+  using Scan = cub::BlockScan<int32_t, kBlockThreads>;
+  union TempStorage {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  };
+};
 
 // Loads the local-expert keys of up to kThreads * kItems entries in blocked order (entries past
 // `size` get key L + 1, which sorts last) and counts each expert's entries in shared `counts`.
@@ -332,12 +351,9 @@ TileSpace carve_tiles(void* ws, int64_t batch, int64_t entries, int64_t L) {
 }
 
 __global__ void __launch_bounds__(kTileThreads) tile_sort_kernel(PermuteArgs a, TileSpace ts, int end_bit) {
-  using Sort = cub::BlockRadixSort<uint32_t, kTileThreads, kTileItems, int32_t>;
-  using Scan = cub::BlockScan<int32_t, kTileThreads>;
-  __shared__ union {
-    typename Sort::TempStorage sort;
-    typename Scan::TempStorage scan;
-  } tmp;
+  using Sort = typename ExpertSort<kTileThreads, kTileItems>::Sort;
+  using Scan = typename ExpertSort<kTileThreads, kTileItems>::Scan;
+  __shared__ typename ExpertSort<kTileThreads, kTileItems>::TempStorage tmp;
   __shared__ int32_t counts[1024];
   const int64_t b = blockIdx.y, tiles = gridDim.x, slot = b * tiles + blockIdx.x;
   const int64_t n = a.tokens * a.topk, L = a.num_local, first = blockIdx.x * kTileEntries;
@@ -416,12 +432,9 @@ constexpr int64_t kSmallMaxEntries = 2048, kSmallMaxLocal = 1023;
 
 template <int kItems, typename V>
 __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a, int end_bit) {
-  using Sort = cub::BlockRadixSort<uint32_t, kSmallThreads, kItems, int32_t>;
-  using Scan = cub::BlockScan<int32_t, kSmallThreads>;
-  __shared__ union {
-    typename Sort::TempStorage sort;
-    typename Scan::TempStorage scan;
-  } tmp;
+  using Sort = typename ExpertSort<kSmallThreads, kItems>::Sort;
+  using Scan = typename ExpertSort<kSmallThreads, kItems>::Scan;
+  __shared__ typename ExpertSort<kSmallThreads, kItems>::TempStorage tmp;
   __shared__ int32_t counts[kSmallMaxLocal + 1], starts[kSmallMaxLocal + 1], seg[kSmallMaxLocal + 1];
   __shared__ int32_t row_of[kSmallThreads * kItems];
 
@@ -505,52 +518,67 @@ cudaError_t with_access_type(int64_t row_bytes, std::initializer_list<const void
 }
 
 // ---- unpermute ---------------------------------------------------------------------------
-// Blocks over (token, chunk of H): each thread owns V consecutive features, gathers them from
-// the token's K rows (four 16-byte loads in flight at a time) and accumulates in float32, in
-// ascending k. (Measured on the H200: staging raw vectors, or eight loads in flight, or a
-// register cap for more resident blocks were each slower or spilled.)
+// Blocks over (token, chunk of H): each thread owns V consecutive features (one 16-byte access
+// where rows are aligned). It reads kBatch row indices, issues kBatch raw row loads, and only
+// then converts and accumulates in float32, in ascending k. Raw staging keeps the register count
+// low enough for ~10 resident blocks per multiprocessor (measured on the H200, see
+// benchmarks/micro/variants.cu): kBatch = 2 when K <= 2 (4.1 TB/s vs 3.4 with four converted
+// loads), 4 for larger K, 8 when the grid is too small to fill the GPU (latency-bound).
 constexpr int kGatherThreads = 128, kGatherVecBytes = 16;
 
+// acc += w * raw, widened to float32.
 template <typename X, int V>
-__device__ __forceinline__ void accumulate_rows(const X* x, int64_t H, int64_t h, const int32_t* rows,
-                                                int64_t num_rows, int64_t K, const void* w, Dtype w_dtype,
-                                                int64_t w_base, float (&acc)[V]) {
-  for (int64_t k0 = 0; k0 < K; k0 += 4) {
-    float f[4][V], wk[4];
+__device__ __forceinline__ void add_weighted(const Vec<X, V>& raw, float w, float (&acc)[V]) {
+  if constexpr (std::is_same_v<X, __nv_bfloat16> && V % 2 == 0) {
+    // bf16 is the high half of a float32: widen two per 32-bit word with integer ops.
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(raw.v);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t r = k0 + j < K ? rows[k0 + j] : -1;
-      wk[j] = 0.0f;
-      if (r >= 0 && r < num_rows) {
-        load_f32<X, V>(x + r * H + h, f[j]);
-        wk[j] = weight_at(w, w_dtype, w_base + k0 + j);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) f[j][i] = 0.0f;
-      }
+    for (int i = 0; i < V / 2; ++i) {
+      acc[2 * i] += w * __uint_as_float(words[i] << 16);
+      acc[2 * i + 1] += w * __uint_as_float(words[i] & 0xffff0000u);
     }
+  } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (k0 + j >= K) break;
-      const int64_t r = rows[k0 + j];
-      if (r < 0 || r >= num_rows) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += wk[j] * f[j][i];
-    }
+    for (int i = 0; i < V; ++i) acc[i] += w * to_f32(raw.v[i]);
   }
 }
 
-template <typename X, typename O, int V>
-__global__ void __launch_bounds__(kGatherThreads) unpermute_kernel(UnpermuteArgs a) {
+// Resident blocks per multiprocessor to ask of the compiler for 16-bit inputs (register caps of
+// 32 and 48, no spills; the microbenchmark's fastest kernels used as many); other inputs and
+// kBatch 8 (small grids, latency-bound) are left alone.
+constexpr int gather_min_blocks(size_t elem_bytes, int batch) {
+  return elem_bytes != 2 ? 1 : batch == 2 ? 16 : batch == 4 ? 10 : 1;
+}
+
+template <typename X, typename O, int V, int kBatch>
+__global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), kBatch)) unpermute_kernel(UnpermuteArgs a) {
   const int64_t H = a.hidden_size, K = a.topk;
   const int64_t h = (blockIdx.y * int64_t(kGatherThreads) + threadIdx.x) * V;
   if (h >= H) return;
   for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
-    const int64_t b = g / a.tokens, t = g % a.tokens;
+    const int64_t b = g / a.tokens;
+    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + h;
+    const int32_t* rm = a.row_map + b * a.rm_bstride + (g - b * a.tokens) * K;
+    const int64_t w0 = b * a.w_bstride + (g - b * a.tokens) * K;
     float acc[V] = {};
-    accumulate_rows<X, V>(static_cast<const X*>(a.x) + b * a.x_bstride, H, h,
-                          a.row_map + b * a.rm_bstride + t * K, a.rows, K, a.weights, a.w_dtype,
-                          b * a.w_bstride + t * K, acc);
+    for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+      int32_t r[kBatch];
+      Vec<X, V> raw[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        r[j] = k0 + j < K ? rm[k0 + j] : -1;
+        if (r[j] >= a.rows) r[j] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (r[j] >= 0) raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + r[j] * H);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (r[j] < 0) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
+        const float w = weight_at(a.weights, a.w_dtype, w0 + k0 + j);
+        add_weighted(raw[j], w, acc);
+      }
+    }
     store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
   }
 }
@@ -676,21 +704,18 @@ cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
   });
 }
 
-// Copies each token row to its K rows, then zeroes the rows no entry holds.
-cudaError_t copy_and_zero(const PermuteArgs& a, const int32_t* counts, const int32_t* starts, cudaStream_t stream) {
+// Copies each token row to its K rows and zeroes the rows no entry holds.
+cudaError_t copy_and_zero(const PermuteArgs& a, RowLayout layout, cudaStream_t stream) {
   const int64_t row_bytes = a.hidden_size * a.elem_bytes;
   if (row_bytes == 0) return cudaSuccess;
   return with_access_type(row_bytes, {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
     using V = typename decltype(tag)::type;
     const int64_t chunks = (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk;
-    copy_rows_kernel<V><<<blocks_for(a.batch * a.tokens * chunks, 1), kCopyThreads, 0, stream>>>(
+    const int64_t units = std::max(a.batch * a.tokens * chunks, int64_t{4} * multiprocessors());
+    copy_rows_kernel<V><<<blocks_for(units, 1), kCopyThreads, 0, stream>>>(
         static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, a.row_map, a.tokens, a.topk,
-        a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
-    MOE_CHECK_LAUNCH();
-    zero_padding_kernel<V><<<blocks_for(a.batch * a.rows, kThreads / 32), kThreads, 0, stream>>>(
-        counts, starts, a.num_local, a.batch, a.rows, row_bytes, static_cast<char*>(a.out));
-    MOE_CHECK_LAUNCH();
-    return cudaSuccess;
+        a.batch, a.rows, row_bytes, layout, a.num_local, a.align, static_cast<char*>(a.out));
+    return cudaGetLastError();
   });
 }
 
@@ -705,7 +730,7 @@ cudaError_t permute_tiled(const PermuteArgs& a, cudaStream_t stream) {
   MOE_CHECK_LAUNCH();
   tile_rows_kernel<<<blocks_for(a.batch * tiles * kTileEntries), kThreads, 0, stream>>>(a, ts, tiles);
   MOE_CHECK_LAUNCH();
-  return copy_and_zero(a, ts.counts, ts.starts, stream);
+  return copy_and_zero(a, RowLayout{ts.starts, ts.counts}, stream);
 }
 
 // Fallback for more than kSmallMaxLocal local experts: a CUB radix sort of (batch, expert) keys.
@@ -730,7 +755,7 @@ cudaError_t permute_sorted(const PermuteArgs& a, cudaStream_t stream) {
   assign_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(s.keys_out, s.vals_out, total, a.num_local, seg,
                                                                  starts, a.row_map);
   MOE_CHECK_LAUNCH();
-  return copy_and_zero(a, counts, starts, stream);
+  return copy_and_zero(a, RowLayout{starts, counts}, stream);
 }
 
 cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
@@ -739,6 +764,16 @@ cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
   if (a.batch > 65535) return cudaErrorInvalidValue;  // grid.y
   if (n <= kSmallMaxEntries && a.num_local <= kSmallMaxLocal) return permute_small(a, stream);
   return use_tiles(a.num_local) ? permute_tiled(a, stream) : permute_sorted(a, stream);
+}
+
+template <typename X, typename O, int V>
+cudaError_t launch_unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
+  const dim3 grid = gather_grid(a.batch * a.tokens, a.hidden_size, V);
+  const bool fills_gpu = int64_t{grid.x} * grid.y >= 4 * multiprocessors();
+  if (a.topk <= 2) unpermute_kernel<X, O, V, 2><<<grid, kGatherThreads, 0, stream>>>(a);
+  else if (fills_gpu) unpermute_kernel<X, O, V, 4><<<grid, kGatherThreads, 0, stream>>>(a);
+  else unpermute_kernel<X, O, V, 8><<<grid, kGatherThreads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
@@ -751,9 +786,7 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
       constexpr int kVec = kGatherVecBytes / sizeof(X);
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
                        reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
-      if (vec) unpermute_kernel<X, O, kVec><<<gather_grid(a.batch * a.tokens, a.hidden_size, kVec), kGatherThreads, 0, stream>>>(a);
-      else unpermute_kernel<X, O, 1><<<gather_grid(a.batch * a.tokens, a.hidden_size, 1), kGatherThreads, 0, stream>>>(a);
-      result = cudaGetLastError();
+      result = vec ? launch_unpermute<X, O, kVec>(a, stream) : launch_unpermute<X, O, 1>(a, stream);
     });
   });
   return result;
