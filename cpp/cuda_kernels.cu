@@ -1,6 +1,7 @@
-// CUDA kernels. Row layout: a stable CUB radix sort of (batch, local expert) keys, then
-// one pass that turns sorted positions into rows. Data movement: one block per token or
-// per output row, 16-byte vector accesses where rows are aligned, float32 accumulation.
+// CUDA kernels. Row layout: entries ranked by local expert in shared memory (one launch for
+// small batches, tiles + offsets for large ones; a CUB radix sort past 1023 local experts).
+// Data movement: blocks over (token, chunk of the row), 16-byte vector accesses where rows
+// are aligned, float32 accumulation.
 #include "cuda_kernels.h"
 
 #include <cuda_bf16.h>
@@ -276,52 +277,80 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
   zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
 }
 
-// A block's stable radix sort of (local expert, entry) pairs and the scan over experts that
-// follows it; they run one after the other, so they share shared memory.
-template <int kBlockThreads, int kItems>
-struct ExpertSort {
-  using Sort = cub::BlockRadixSort<uint32_t, kBlockThreads, kItems, int32_t>;
-  using Scan = cub::BlockScan<int32_t, kBlockThreads>;
-  union TempStorage {
-    typename Sort::TempStorage sort;
-    typename Scan::TempStorage scan;
-  };
+// ---- ranking entries by local expert, in shared memory -------------------------------
+// A block of kRankThreads threads ranks up to kRankThreads * kItems entries among equal local
+// experts in flat-index order, without sorting: warp w owns entries [w * 32 * kItems,
+// (w + 1) * 32 * kItems) in chunks of 32; __match_any_sync ranks a chunk's equal experts, a
+// per-warp per-expert counter carries the rank across chunks, and a prefix over warps across
+// warps. (It replaced a stable block radix sort: 1 to 3 passes of several barriers each.)
+constexpr int kRankThreads = 256, kRankWarps = kRankThreads / 32;
+constexpr int64_t kMaxRankedLocal = 1023;  // experts a block ranks in shared memory
+
+struct RankSpace {
+  int32_t counts[kMaxRankedLocal + 1];                 // entries of expert e
+  uint16_t earlier[kRankWarps][kMaxRankedLocal + 1];  // entries of expert e in the warps before w
 };
 
-// Loads the local-expert keys of up to kThreads * kItems entries in blocked order (entries past
-// `size` get key L + 1, which sorts last) and counts each expert's entries in shared `counts`.
 template <int kItems>
-__device__ __forceinline__ void load_expert_keys(const PermuteArgs& a, const int32_t* ids, const int32_t* map,
-                                                 int64_t size, uint32_t (&keys)[kItems], int32_t (&vals)[kItems],
-                                                 int32_t* counts) {
+__device__ __forceinline__ int64_t ranked_entry(int c) {
+  return (int64_t{threadIdx.x / 32} * kItems + c) * 32 + threadIdx.x % 32;
+}
+
+// key[c] = local expert of this thread's c-th entry (L when dropped or past `size`); rank[c] =
+// entries of the same expert before it. Fills s.counts. Ends with a barrier.
+template <int kItems>
+__device__ void rank_by_expert(const PermuteArgs& a, const int32_t* ids, const int32_t* map, int64_t size,
+                               RankSpace& s, int32_t (&key)[kItems], int32_t (&rank)[kItems]) {
+  const int32_t L = a.num_local;
+  const int warp = threadIdx.x / 32;
+  const uint32_t lanes_below = (1u << (threadIdx.x % 32)) - 1;
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    const int32_t i = threadIdx.x * kItems + j;
-    vals[j] = i;
-    keys[j] = static_cast<uint32_t>(a.num_local + 1);
-    if (i < size) {
-      const int32_t e = local_expert(ids[i], map, a.num_experts, a.num_local);
-      keys[j] = static_cast<uint32_t>(e);
-      if (e < a.num_local) atomicAdd(&counts[e], 1);
-    }
+  for (int c = 0; c < kItems; ++c) {
+    const int64_t i = ranked_entry<kItems>(c);
+    key[c] = i < size ? local_expert(ids[i], map, a.num_experts, L) : L;
   }
+  for (int e = threadIdx.x; e < kRankWarps * L; e += kRankThreads) s.earlier[e / L][e % L] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < kItems; ++c) {  // this warp's running count per expert, chunk by chunk
+    const uint32_t peers = __match_any_sync(0xffffffffu, key[c]);
+    const int32_t seen = key[c] < L ? s.earlier[warp][key[c]] : 0;
+    rank[c] = seen + __popc(peers & lanes_below);
+    __syncwarp();
+    if (key[c] < L && (peers & lanes_below) == 0) s.earlier[warp][key[c]] = static_cast<uint16_t>(seen + __popc(peers));
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < L; e += kRankThreads) {  // per-warp counts -> prefix over warps
+    int32_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kRankWarps; ++w) {
+      const int32_t c = s.earlier[w][e];
+      s.earlier[w][e] = static_cast<uint16_t>(total);
+      total += c;
+    }
+    s.counts[e] = total;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < kItems; ++c)
+    if (key[c] < L) rank[c] += s.earlier[warp][key[c]];
 }
 
 // ---- permute, large batches: a tiled counting sort -------------------------------------
-// 1. Each block sorts one tile of 2048 entries by local expert (stable block radix sort) and
-//    records the tile's per-expert counts and where each expert starts inside the tile.
+// 1. Each block ranks one tile of 2048 entries by local expert and records the tile's
+//    per-expert counts and each entry's (expert, rank within the tile).
 // 2. One block per example turns counts into padded expert blocks and each tile's first row
 //    per expert.
-// 3. Every sorted entry then knows its row: tile offset + position within its tile segment.
-constexpr int kTileThreads = 256, kTileItems = 8;
-constexpr int64_t kTileEntries = int64_t{kTileThreads} * kTileItems;
-constexpr int kOffsetThreads = 1024;  // one thread per local expert (L <= kSmallMaxLocal)
+// 3. Every entry then knows its row: its tile's first row for the expert + its rank.
+constexpr int kTileItems = 8;
+constexpr int64_t kTileEntries = int64_t{kRankThreads} * kTileItems;
+constexpr int kOffsetThreads = 1024;  // one thread per local expert (L <= kMaxRankedLocal)
 
 struct TileSpace {
-  uint32_t* keys;    // [B * tiles * kTileEntries] sorted keys of each tile
-  int32_t* vals;     // [B * tiles * kTileEntries] tile-local entry index of each sorted key
+  int32_t* keys;     // [B * tiles * kTileEntries] local expert of each entry
+  int32_t* ranks;    // [B * tiles * kTileEntries] entries of the same expert before it in the tile
   int32_t* hist;     // [B * tiles * L] entries of expert e in the tile
-  int32_t* seg;      // [B * tiles * L] position of expert e's first entry in the sorted tile
   int32_t* offset;   // [B * tiles * L] row of expert e's first entry of the tile
   int32_t* starts;   // [B * (L + 1)]
   int32_t* counts;   // [B * L]
@@ -331,61 +360,38 @@ int64_t tiles_of(int64_t entries) { return std::max<int64_t>(1, (entries + kTile
 
 int64_t tile_space_bytes(int64_t batch, int64_t entries, int64_t L) {
   const int64_t slots = batch * tiles_of(entries);
-  return 2 * pad256(4 * slots * kTileEntries) + 3 * pad256(4 * slots * L) + pad256(4 * batch * (L + 1)) +
+  return 2 * pad256(4 * slots * kTileEntries) + 2 * pad256(4 * slots * L) + pad256(4 * batch * (L + 1)) +
          pad256(4 * batch * L);
 }
 
 TileSpace carve_tiles(void* ws, int64_t batch, int64_t entries, int64_t L) {
   const int64_t slots = batch * tiles_of(entries);
   char* p = static_cast<char*>(ws);
-  auto take = [&](int64_t count) { char* q = p; p += pad256(4 * count); return q; };
+  auto take = [&](int64_t count) { char* q = p; p += pad256(4 * count); return reinterpret_cast<int32_t*>(q); };
   TileSpace t;
-  t.keys = reinterpret_cast<uint32_t*>(take(slots * kTileEntries));
-  t.vals = reinterpret_cast<int32_t*>(take(slots * kTileEntries));
-  t.hist = reinterpret_cast<int32_t*>(take(slots * L));
-  t.seg = reinterpret_cast<int32_t*>(take(slots * L));
-  t.offset = reinterpret_cast<int32_t*>(take(slots * L));
-  t.starts = reinterpret_cast<int32_t*>(take(batch * (L + 1)));
-  t.counts = reinterpret_cast<int32_t*>(take(batch * L));
+  t.keys = take(slots * kTileEntries);
+  t.ranks = take(slots * kTileEntries);
+  t.hist = take(slots * L);
+  t.offset = take(slots * L);
+  t.starts = take(batch * (L + 1));
+  t.counts = take(batch * L);
   return t;
 }
 
-__global__ void __launch_bounds__(kTileThreads) tile_sort_kernel(PermuteArgs a, TileSpace ts, int end_bit) {
-  using Sort = typename ExpertSort<kTileThreads, kTileItems>::Sort;
-  using Scan = typename ExpertSort<kTileThreads, kTileItems>::Scan;
-  __shared__ typename ExpertSort<kTileThreads, kTileItems>::TempStorage tmp;
-  __shared__ int32_t counts[1024];
+__global__ void __launch_bounds__(kRankThreads) tile_rank_kernel(PermuteArgs a, TileSpace ts) {
+  __shared__ RankSpace space;
   const int64_t b = blockIdx.y, tiles = gridDim.x, slot = b * tiles + blockIdx.x;
   const int64_t n = a.tokens * a.topk, L = a.num_local, first = blockIdx.x * kTileEntries;
-  const int64_t size = n - first < kTileEntries ? n - first : kTileEntries;
-  const int32_t* ids = a.ids + b * a.ids_bstride + first;
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
-  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-  uint32_t keys[kTileItems];
-  int32_t vals[kTileItems];
-  load_expert_keys<kTileItems>(a, ids, map, size, keys, vals, counts);
-  Sort(tmp.sort).Sort(keys, vals, 0, end_bit);
-  __syncthreads();
+  int32_t key[kTileItems], rank[kTileItems];
+  rank_by_expert<kTileItems>(a, a.ids + b * a.ids_bstride + first, map, n - first, space, key, rank);
 #pragma unroll
-  for (int j = 0; j < kTileItems; ++j) {
-    const int64_t p = slot * kTileEntries + threadIdx.x * kTileItems + j;
-    ts.keys[p] = keys[j];
-    ts.vals[p] = vals[j];
+  for (int c = 0; c < kTileItems; ++c) {
+    const int64_t p = slot * kTileEntries + ranked_entry<kTileItems>(c);
+    ts.keys[p] = key[c];
+    ts.ranks[p] = rank[c];
   }
-  int32_t carry = 0;
-  for (int64_t e0 = 0; e0 < L; e0 += kTileThreads) {
-    const int64_t e = e0 + threadIdx.x;
-    const int32_t c = e < L ? counts[e] : 0;
-    int32_t before, total;
-    Scan(tmp.scan).ExclusiveSum(c, before, total);
-    __syncthreads();
-    if (e < L) {
-      ts.hist[slot * L + e] = c;
-      ts.seg[slot * L + e] = carry + before;
-    }
-    carry += total;
-  }
+  for (int64_t e = threadIdx.x; e < L; e += kRankThreads) ts.hist[slot * L + e] = space.counts[e];
 }
 
 __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
@@ -412,71 +418,57 @@ __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArg
 }
 
 __global__ void tile_rows_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
-  const int64_t n = a.tokens * a.topk, L = a.num_local, positions = a.batch * tiles * kTileEntries;
-  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < positions;
+  const int64_t n = a.tokens * a.topk, L = a.num_local;
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < a.batch * tiles * kTileEntries;
        q += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t slot = q / kTileEntries, p = q % kTileEntries, b = slot / tiles, tile = slot % tiles;
-    const int64_t i = tile * kTileEntries + ts.vals[q];
-    if (i >= n) continue;  // past the last entry (the tile's padding sorts last)
+    const int64_t slot = q / kTileEntries, b = slot / tiles, i = slot % tiles * kTileEntries + q % kTileEntries;
+    if (i >= n) continue;  // the last tile's unused slots
     const int64_t e = ts.keys[q];
-    a.row_map[b * n + i] = e < L ? ts.offset[slot * L + e] + static_cast<int32_t>(p - ts.seg[slot * L + e]) : -1;
+    a.row_map[b * n + i] = e < L ? ts.offset[slot * L + e] + ts.ranks[q] : -1;
   }
 }
 
 // ---- permute, small batches: one launch -------------------------------------------------
-// Every block routes the whole (small) example in shared memory: a stable block radix sort of
-// (local expert, flat index), expert counts, block starts and each entry's row. Then the
-// blocks share the copies (read each token row once, write its K rows) and the zero rows.
-constexpr int kSmallThreads = 256;
-constexpr int64_t kSmallMaxEntries = 2048, kSmallMaxLocal = 1023;
+// Every block routes the whole (small) example in shared memory (rank_by_expert, then one scan
+// of the padded counts for the expert blocks). Then the blocks share the copies (read each token
+// row once, write its K rows) and the zero rows.
+constexpr int kSmallThreads = kRankThreads;
+constexpr int64_t kSmallMaxEntries = 2048;
 
 template <int kItems, typename V>
-__global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a, int end_bit) {
-  using Sort = typename ExpertSort<kSmallThreads, kItems>::Sort;
-  using Scan = typename ExpertSort<kSmallThreads, kItems>::Scan;
-  __shared__ typename ExpertSort<kSmallThreads, kItems>::TempStorage tmp;
-  __shared__ int32_t counts[kSmallMaxLocal + 1], starts[kSmallMaxLocal + 1], seg[kSmallMaxLocal + 1];
+__global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a) {
+  using Scan = cub::BlockScan<int32_t, kSmallThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ RankSpace space;
+  __shared__ int32_t starts[kMaxRankedLocal + 1];
   __shared__ int32_t row_of[kSmallThreads * kItems];
 
-  const int64_t b = blockIdx.y, n = a.tokens * a.topk, L = a.num_local;
-  const int32_t* ids = a.ids + b * a.ids_bstride;
+  const int64_t b = blockIdx.y, n = a.tokens * a.topk;
+  const int32_t L = a.num_local;
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
-  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-
-  uint32_t keys[kItems];
-  int32_t vals[kItems];
-  load_expert_keys<kItems>(a, ids, map, n, keys, vals, counts);
-  Sort(tmp.sort).Sort(keys, vals, 0, end_bit);  // stable: flat index order within an expert
-  __syncthreads();
-
-  int32_t carry_rows = 0, carry_entries = 0;
-  for (int64_t e0 = 0; e0 < L; e0 += kSmallThreads) {
-    const int64_t e = e0 + threadIdx.x;
-    const int32_t c = e < L ? counts[e] : 0, padded = static_cast<int32_t>(round_up(c, a.align));
-    int32_t row0, entry0, rows_total, entries_total;
-    Scan(tmp.scan).ExclusiveSum(padded, row0, rows_total);
+  int32_t key[kItems], rank[kItems];
+  rank_by_expert<kItems>(a, a.ids + b * a.ids_bstride, map, n, space, key, rank);
+  int32_t carry = 0;
+  for (int e0 = 0; e0 < L; e0 += kSmallThreads) {
+    const int e = e0 + threadIdx.x;
+    const int32_t padded = e < L ? static_cast<int32_t>(round_up(space.counts[e], a.align)) : 0;
+    int32_t row0, total;
+    Scan(scan).ExclusiveSum(padded, row0, total);
     __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(c, entry0, entries_total);
-    __syncthreads();
-    if (e < L) {
-      starts[e] = carry_rows + row0;
-      seg[e] = carry_entries + entry0;
-    }
-    carry_rows += rows_total;
-    carry_entries += entries_total;
+    if (e < L) starts[e] = carry + row0;
+    carry += total;
   }
-  if (threadIdx.x == 0) starts[L] = carry_rows;
+  if (threadIdx.x == 0) starts[L] = carry;
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    const int32_t p = threadIdx.x * kItems + j;  // blocked arrangement: sorted position
-    if (p < n) row_of[vals[j]] = keys[j] < L ? starts[keys[j]] + (p - seg[keys[j]]) : -1;
+  for (int c = 0; c < kItems; ++c) {
+    const int64_t i = ranked_entry<kItems>(c);
+    if (i < n) row_of[i] = key[c] < L ? starts[key[c]] + rank[c] : -1;
   }
   __syncthreads();
   if (blockIdx.x == 0) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a.row_map[b * n + i] = row_of[i];
-    for (int64_t e = threadIdx.x; e < L; e += blockDim.x) a.group_sizes[b * L + e] = starts[e + 1] - starts[e];
+    for (int64_t i = threadIdx.x; i < n; i += kSmallThreads) a.row_map[b * n + i] = row_of[i];
+    for (int e = threadIdx.x; e < L; e += kSmallThreads) a.group_sizes[b * L + e] = starts[e + 1] - starts[e];
   }
 
   const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
@@ -493,16 +485,7 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
       if (r >= 0) out[r * nvec + v] = value;
     }
   }
-  for (int64_t u = blockIdx.x; u < a.rows * chunks; u += gridDim.x) {
-    const int64_t r = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
-    int64_t lo = 0, hi = L;  // the last e in [0, L] with starts[e] <= r
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (starts[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    const bool padding = lo == L || r >= starts[lo] + counts[lo];
-    if (padding && v < nvec) out[r * nvec + v] = V{};
-  }
+  zero_unused_rows<V>(RowLayout{starts, space.counts}, L, a.align, 1, a.rows, nvec, out);
 }
 
 // The widest access (up to 16 bytes) that divides the row and every base address.
@@ -562,11 +545,16 @@ __global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), k
     const int64_t w0 = b * a.w_bstride + (g - b * a.tokens) * K;
     float acc[V] = {};
     for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+      // Weights are read with the row indices (one round trip for both) except at kBatch 4,
+      // whose register cap has no room for them; there they follow the row loads.
+      constexpr bool kWeightsFirst = kBatch != 4;
       int32_t r[kBatch];
+      float w[kBatch];
       Vec<X, V> raw[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         r[j] = k0 + j < K ? rm[k0 + j] : -1;
+        if (kWeightsFirst) w[j] = k0 + j < K ? weight_at(a.weights, a.w_dtype, w0 + k0 + j) : 0.0f;
         if (r[j] >= a.rows) r[j] = -1;
       }
 #pragma unroll
@@ -575,8 +563,7 @@ __global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), k
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (r[j] < 0) continue;  // skipped, not added as 0: keeps -0.0 and NaN rules
-        const float w = weight_at(a.weights, a.w_dtype, w0 + k0 + j);
-        add_weighted(raw[j], w, acc);
+        add_weighted(raw[j], kWeightsFirst ? w[j] : weight_at(a.weights, a.w_dtype, w0 + k0 + j), acc);
       }
     }
     store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
@@ -669,7 +656,7 @@ __global__ void weight_grad_kernel(WeightGradArgs a) {
 
 }  // namespace
 
-bool use_tiles(int64_t num_local) { return num_local <= kSmallMaxLocal; }
+bool use_tiles(int64_t num_local) { return num_local <= kMaxRankedLocal; }
 
 cudaError_t permute_workspace_bytes(int64_t batch, int64_t entries, int64_t num_local, int64_t* bytes) {
   if (use_tiles(num_local)) {
@@ -688,7 +675,6 @@ cudaError_t scatter_workspace_bytes(int64_t batch, int64_t entries, int64_t rows
 
 cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk, row_bytes = a.hidden_size * a.elem_bytes;
-  const int end_bit = key_bits(uint64_t(a.num_local) + 1);
   return with_access_type(std::max<int64_t>(row_bytes, 1), {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
     using V = typename decltype(tag)::type;
     const int64_t chunks = std::max<int64_t>(1, (row_bytes / int64_t{sizeof(V)} + kSmallThreads - 1) / kSmallThreads);
@@ -696,10 +682,10 @@ cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
     // Every block pays for the routing: use about two blocks per multiprocessor, not one per unit.
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 2 * multiprocessors()))),
                     static_cast<unsigned>(a.batch));
-    if (n <= 256) permute_small_kernel<1, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
-    else if (n <= 512) permute_small_kernel<2, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
-    else if (n <= 1024) permute_small_kernel<4, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
-    else permute_small_kernel<8, V><<<grid, kSmallThreads, 0, stream>>>(a, end_bit);
+    if (n <= 256) permute_small_kernel<1, V><<<grid, kSmallThreads, 0, stream>>>(a);
+    else if (n <= 512) permute_small_kernel<2, V><<<grid, kSmallThreads, 0, stream>>>(a);
+    else if (n <= 1024) permute_small_kernel<4, V><<<grid, kSmallThreads, 0, stream>>>(a);
+    else permute_small_kernel<8, V><<<grid, kSmallThreads, 0, stream>>>(a);
     return cudaGetLastError();
   });
 }
@@ -722,9 +708,8 @@ cudaError_t copy_and_zero(const PermuteArgs& a, RowLayout layout, cudaStream_t s
 cudaError_t permute_tiled(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk, tiles = tiles_of(n);
   const TileSpace ts = carve_tiles(a.workspace, a.batch, n, a.num_local);
-  const int end_bit = key_bits(uint64_t(a.num_local) + 1);
-  tile_sort_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(a.batch)), kTileThreads, 0, stream>>>(
-      a, ts, end_bit);
+  tile_rank_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(a.batch)), kRankThreads, 0, stream>>>(
+      a, ts);
   MOE_CHECK_LAUNCH();
   tile_offsets_kernel<<<static_cast<unsigned>(a.batch), kOffsetThreads, 0, stream>>>(a, ts, tiles);
   MOE_CHECK_LAUNCH();
@@ -733,7 +718,7 @@ cudaError_t permute_tiled(const PermuteArgs& a, cudaStream_t stream) {
   return copy_and_zero(a, RowLayout{ts.starts, ts.counts}, stream);
 }
 
-// Fallback for more than kSmallMaxLocal local experts: a CUB radix sort of (batch, expert) keys.
+// Fallback for more than kMaxRankedLocal local experts: a CUB radix sort of (batch, expert) keys.
 cudaError_t permute_sorted(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk, total = a.batch * n, L = a.num_local;
   const int bits = key_bits(uint64_t(a.batch) * (L + 1) - 1);
@@ -762,7 +747,7 @@ cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk;
   if (a.batch == 0) return cudaSuccess;
   if (a.batch > 65535) return cudaErrorInvalidValue;  // grid.y
-  if (n <= kSmallMaxEntries && a.num_local <= kSmallMaxLocal) return permute_small(a, stream);
+  if (n <= kSmallMaxEntries && a.num_local <= kMaxRankedLocal) return permute_small(a, stream);
   return use_tiles(a.num_local) ? permute_tiled(a, stream) : permute_sorted(a, stream);
 }
 
