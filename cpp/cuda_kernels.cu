@@ -591,28 +591,67 @@ __global__ void segment_bounds_kernel(const uint32_t* sorted_keys, int64_t total
     seg[q] = static_cast<int32_t>(lower_bound(sorted_keys, total, q));
 }
 
-// Blocks over (output row, chunk of H): the weighted sum of the row's entries, in ascending
-// flat index (the sorted order), float32.
+// Rows that exactly one entry maps to (all of them for a row map from permute) are written
+// token-major, like permute's copy: each token row is read once and its weighted copies go to
+// its K rows. Rows with no entry or several are left to multi_entry_rows_kernel.
+// seg[b * (R + 1) + r] .. seg[b * (R + 1) + r + 1]: the sorted entries of row r.
 template <typename X, typename O, int V>
-__global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals,
-                                                                     const int32_t* seg) {
-  const X* xs = static_cast<const X*>(a.x);
-  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.tokens * a.topk;
+__global__ void __launch_bounds__(kGatherThreads) single_entry_rows_kernel(ScatterArgs a, const int32_t* seg) {
+  constexpr int kBatch = 4;
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows;
   const int64_t h = (blockIdx.y * int64_t(kGatherThreads) + threadIdx.x) * V;
   if (h >= H) return;
-  for (int64_t g = blockIdx.x; g < a.batch * R; g += gridDim.x) {
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g - b * a.tokens;
+    const Vec<X, V> raw = *reinterpret_cast<const Vec<X, V>*>(static_cast<const X*>(a.x) + b * a.x_bstride + t * H + h);
+    const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
+    const int32_t* my_seg = seg + b * (R + 1);
+    for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
+      int32_t r[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        r[j] = k0 + j < K ? rm[k0 + j] : -1;
+        if (r[j] >= R) r[j] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (r[j] >= 0 && my_seg[r[j] + 1] - my_seg[r[j]] != 1) r[j] = -1;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (r[j] < 0) continue;
+        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + t * K + k0 + j);
+        float f[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = w * to_f32(raw.v[i]);
+        store_f32<O, V>(static_cast<O*>(a.out) + (b * R + r[j]) * H + h, f);
+      }
+    }
+  }
+}
+
+// One warp per output row; rows with exactly one entry are done. Others get the weighted sum
+// of their entries in ascending flat index (the sorted order), float32; no entry gives zeros.
+template <typename X, typename O, int V>
+__global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals, const int32_t* seg) {
+  const X* xs = static_cast<const X*>(a.x);
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.tokens * a.topk;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; g < a.batch * R; g += warps) {
     const int64_t b = g / R, r = g % R;
     const int64_t begin = seg[b * (R + 1) + r], end = seg[b * (R + 1) + r + 1];
-    float acc[V] = {};
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
-      const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
-      float f[V];
-      load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
+    if (end - begin == 1) continue;
+    for (int64_t h = (threadIdx.x % 32) * int64_t(V); h < H; h += 32 * V) {
+      float acc[V] = {};
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
+        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+        float f[V];
+        load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
+        for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
+      }
+      store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
     }
-    store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
   }
 }
 
@@ -777,6 +816,19 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
   return result;
 }
 
+template <typename X, typename O, int V>
+cudaError_t launch_scatter(const ScatterArgs& a, const uint32_t* sorted_vals, const int32_t* seg,
+                           cudaStream_t stream) {
+  if (a.batch * a.tokens > 0) {
+    single_entry_rows_kernel<X, O, V><<<gather_grid(a.batch * a.tokens, a.hidden_size, V), kGatherThreads, 0, stream>>>(
+        a, seg);
+    MOE_CHECK_LAUNCH();
+  }
+  multi_entry_rows_kernel<X, O, V><<<blocks_for(a.batch * a.rows, kThreads / 32), kThreads, 0, stream>>>(
+      a, sorted_vals, seg);
+  return cudaGetLastError();
+}
+
 cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
   const int64_t n = a.tokens * a.topk, total = a.batch * n, R = a.rows;
   if (a.batch * R == 0) return cudaSuccess;
@@ -803,9 +855,8 @@ cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
       constexpr int kVec = 16 / sizeof(X);
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
                        reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
-      if (vec) gather_rows_kernel<X, O, kVec><<<gather_grid(a.batch * R, a.hidden_size, kVec), kGatherThreads, 0, stream>>>(a, s.vals_out, s.extra);
-      else gather_rows_kernel<X, O, 1><<<gather_grid(a.batch * R, a.hidden_size, 1), kGatherThreads, 0, stream>>>(a, s.vals_out, s.extra);
-      result = cudaGetLastError();
+      result = vec ? launch_scatter<X, O, kVec>(a, s.vals_out, s.extra, stream)
+                   : launch_scatter<X, O, 1>(a, s.vals_out, s.extra, stream);
     });
   });
   return result;

@@ -4,9 +4,11 @@
                                     [--ops permute,unpermute] [--json out.json] [--plot out.png]
 
 On GPU, device time is the sum of each op's kernel times from CUPTI
-(jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are
-T*H*itemsize*(1+K): each token row read once and its K copies written (permute), or K rows
-read and one written (unpermute); the backward ops move the same bytes as their forward twin.
+(jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are the
+fewest it must move (op_bytes): T*H*itemsize*(1+K) for permute (each token row read once, its
+K copies written), unpermute (K rows read, one written) and permute's backward (an unpermute);
+T*H*itemsize*(1+2K) for unpermute's backward (the cotangent read once, K rows of its gradient
+written, and K expert rows read again for the weights' gradient).
 """
 
 from __future__ import annotations
@@ -118,6 +120,11 @@ def op_functions(lib, E: int):
     }
 
 
+def op_bytes(op: str, T: int, H: int, K: int, itemsize: int) -> int:
+    """The fewest bytes `op` must move through device memory (module docstring)."""
+    return T * H * itemsize * (1 + (2 * K if op == "unpermute_bwd" else K))
+
+
 def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, iterations: int = 20):
     E, K, H, _ = MODELS[model]
     ids, weights = routing(T, E, K)
@@ -129,7 +136,6 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, i
         "ct_rows": jax.random.normal(jax.random.PRNGKey(3), res.hidden.shape, jnp.float32).astype(dtype),
         "ct_tokens": jax.random.normal(jax.random.PRNGKey(4), (T, H), jnp.float32).astype(dtype),
     }
-    nbytes = T * H * jnp.dtype(dtype).itemsize * (1 + K)
     ours, ref = op_functions(jmp, E), op_functions(jmp.reference, E)
     rows = []
     for op in ops:
@@ -137,6 +143,7 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, i
         args = [inputs[n] for n in names.split(",")]
         us = device_us(f, *args, iterations=iterations)
         ref_us = device_us(ref[op][0], *args, iterations=iterations)
+        nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize)
         rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
                          TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))
     return rows
