@@ -105,18 +105,23 @@ def routing(T: int, E: int, K: int, seed: int = 0):
     return ids.astype(jnp.int32), jax.nn.softmax(weights, axis=-1)
 
 
-def op_functions(lib, E: int):
-    """The jitted functions of each op for `lib` (jmp or jmp.reference)."""
+def op_calls(lib, E: int, inputs: dict):
+    """{op: (jitted function, its arguments)} for `lib` (jmp or jmp.reference). The backward ops
+    time only the backward pass: the forward runs once here, and its vjp function (holding the
+    residuals, e.g. row_map) is an argument of the jitted call."""
     permute = lambda h, i: lib.moe_permute(h, i, E)
     unpermute = lambda x, rm, w: lib.moe_unpermute(x, rm, w)
+    x = inputs
+    # gradient of permute w.r.t. hidden: an unweighted unpermute of the cotangent
+    permute_vjp = jax.vjp(lambda a: permute(a, x["ids"])[0], x["hidden"])[1]
+    # gradient of unpermute w.r.t. expert rows and weights
+    unpermute_vjp = jax.vjp(lambda a, b: unpermute(a, x["row_map"], b), x["rows"], x["weights"])[1]
+    apply = jax.jit(lambda vjp, ct: vjp(ct))
     return {
-        "permute": (jax.jit(permute), "hidden,ids"),
-        "unpermute": (jax.jit(unpermute), "rows,row_map,weights"),
-        # gradient of permute w.r.t. hidden: an unweighted unpermute of the cotangent
-        "permute_bwd": (jax.jit(lambda h, i, ct: jax.vjp(lambda a: permute(a, i)[0], h)[1](ct)[0]), "hidden,ids,ct_rows"),
-        # gradient of unpermute w.r.t. expert rows and weights
-        "unpermute_bwd": (jax.jit(lambda x, rm, w, ct: jax.vjp(lambda a, b: unpermute(a, rm, b), x, w)[1](ct)),
-                          "rows,row_map,weights,ct_tokens"),
+        "permute": (jax.jit(permute), (x["hidden"], x["ids"])),
+        "unpermute": (jax.jit(unpermute), (x["rows"], x["row_map"], x["weights"])),
+        "permute_bwd": (apply, (permute_vjp, x["ct_rows"])),
+        "unpermute_bwd": (apply, (unpermute_vjp, x["ct_tokens"])),
     }
 
 
@@ -136,13 +141,11 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, i
         "ct_rows": jax.random.normal(jax.random.PRNGKey(3), res.hidden.shape, jnp.float32).astype(dtype),
         "ct_tokens": jax.random.normal(jax.random.PRNGKey(4), (T, H), jnp.float32).astype(dtype),
     }
-    ours, ref = op_functions(jmp, E), op_functions(jmp.reference, E)
+    ours, ref = op_calls(jmp, E, inputs), op_calls(jmp.reference, E, inputs)
     rows = []
     for op in ops:
-        f, names = ours[op]
-        args = [inputs[n] for n in names.split(",")]
-        us = device_us(f, *args, iterations=iterations)
-        ref_us = device_us(ref[op][0], *args, iterations=iterations)
+        us = device_us(ours[op][0], *ours[op][1], iterations=iterations)
+        ref_us = device_us(ref[op][0], *ref[op][1], iterations=iterations)
         nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize)
         rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
                          TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))

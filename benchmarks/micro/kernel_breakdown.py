@@ -30,8 +30,8 @@ def main(specs):
         inputs = dict(hidden=hidden, ids=ids, weights=weights, row_map=res.row_map, rows=res.hidden,
                       ct_rows=res.hidden, ct_tokens=hidden)
         for lib_name, lib in (("ours", jmp), ("ref", jmp.reference)):
-            for op, (f, names) in bench.op_functions(lib, E).items():
-                ks = kernels(f, *[inputs[n] for n in names.split(",")])
+            for op, (f, args) in bench.op_calls(lib, E, inputs).items():
+                ks = kernels(f, *args)
                 total = sum(t for _, t in ks)
                 print(f"{model} T={T} {lib_name} {op}: {total:.1f} us")
                 for n, t in ks:
