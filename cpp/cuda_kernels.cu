@@ -251,20 +251,27 @@ __device__ void zero_unused_rows(RowLayout layout, int64_t L, int64_t align, int
 }
 
 // Blocks over (token, chunk of the row): the token's row is read once and written to each of
-// its K rows. Then the same blocks zero the rows no entry holds.
-template <typename V>
+// its K rows. Then the same blocks zero the rows no entry holds. kSkipUnrouted (with an
+// expert_map, where many tokens have no local expert): read the row only when some entry of
+// the token has a row, at the price of reading the row map first.
+template <typename V, bool kSkipUnrouted>
 __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
     const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map, int64_t tokens, int64_t topk,
     int64_t batch, int64_t rows, int64_t row_bytes, RowLayout layout, int64_t L, int64_t align, char* out) {
   const int64_t nvec = row_bytes / sizeof(V), chunks = (nvec + kCopyChunk - 1) / kCopyChunk;
   for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
     const int64_t g = u / chunks, b = g / tokens, t = g % tokens, v0 = (u % chunks) * kCopyChunk + threadIdx.x;
+    const int32_t* rm = row_map + g * topk;
+    if (kSkipUnrouted) {
+      bool routed = false;
+      for (int64_t k = 0; k < topk; ++k) routed |= rm[k] >= 0;
+      if (!routed) continue;
+    }
     const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes + t * row_bytes);
     V value[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j)
       if (v0 + j * kCopyThreads < nvec) value[j] = src[v0 + j * kCopyThreads];
-    const int32_t* rm = row_map + g * topk;
     for (int64_t k = 0; k < topk; ++k) {
       const int64_t r = rm[k];
       if (r < 0) continue;
@@ -478,7 +485,9 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
   V* out = reinterpret_cast<V*>(static_cast<char*>(a.out) + b * a.rows * row_bytes);
   for (int64_t u = blockIdx.x; u < a.tokens * chunks; u += gridDim.x) {
     const int64_t t = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
-    if (v >= nvec) continue;
+    bool routed = false;  // shared-memory reads: cheaper than reading a row nobody needs
+    for (int64_t k = 0; k < a.topk; ++k) routed |= row_of[t * a.topk + k] >= 0;
+    if (v >= nvec || !routed) continue;
     const V value = hidden[t * nvec + v];
     for (int64_t k = 0; k < a.topk; ++k) {
       const int32_t r = row_of[t * a.topk + k];
@@ -656,39 +665,38 @@ __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_va
 }
 
 // ---- weight gradient ---------------------------------------------------------------------
+// One block per entry (t, k): dw = <ct[t], x[row_map[t, k]]>, a block-wide float32 sum. (Blocks
+// per token, with the K dots one after another, made T=1 a chain of K reductions: 10 us.)
 template <typename C, typename X, int V>
 __global__ void weight_grad_kernel(WeightGradArgs a) {
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
-  const int64_t H = a.hidden_size, K = a.topk;
-  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
-    const int64_t b = g / a.tokens, t = g % a.tokens;
-    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
-    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
-    const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t r = rm[k];
-      const bool valid = r >= 0 && r < a.rows;
+  const int64_t H = a.hidden_size, K = a.topk, per_example = a.tokens * K;
+  for (int64_t g = blockIdx.x; g < a.batch * per_example; g += gridDim.x) {
+    const int64_t b = g / per_example, j = g - b * per_example;  // j = t * K + k
+    const int64_t r = a.row_map[b * a.rm_bstride + j];
+    float dot = 0.0f;
+    if (r >= 0 && r < a.rows) {  // uniform over the block
+      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (j / K) * H;
+      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + r * H;
       float partial = 0.0f;
-      if (valid) {
-        for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
-          float c[V], f[V];
-          load_f32<C, V>(ct + h, c);
-          load_f32<X, V>(x + r * H + h, f);
+      for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
+        float c[V], f[V];
+        load_f32<C, V>(ct + h, c);
+        load_f32<X, V>(x + h, f);
 #pragma unroll
-          for (int i = 0; i < V; ++i) partial += c[i] * f[i];
-        }
+        for (int i = 0; i < V; ++i) partial += c[i] * f[i];
       }
-      const float dot = Reduce(storage).Sum(partial);
-      if (threadIdx.x == 0) {
-        float d[1] = {valid ? dot : 0.0f};
-        switch (a.out_dtype) {
-          case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g * K + k, d); break;
-          case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g * K + k, d); break;
-          default: store_f32<float, 1>(static_cast<float*>(a.out) + g * K + k, d);
-        }
+      dot = Reduce(storage).Sum(partial);
+      __syncthreads();  // storage is reused by the next entry
+    }
+    if (threadIdx.x == 0) {
+      float d[1] = {dot};
+      switch (a.out_dtype) {
+        case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g, d); break;
+        case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g, d); break;
+        default: store_f32<float, 1>(static_cast<float*>(a.out) + g, d);
       }
-      __syncthreads();
     }
   }
 }
@@ -737,7 +745,8 @@ cudaError_t copy_and_zero(const PermuteArgs& a, RowLayout layout, cudaStream_t s
     using V = typename decltype(tag)::type;
     const int64_t chunks = (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk;
     const int64_t units = std::max(a.batch * a.tokens * chunks, int64_t{4} * multiprocessors());
-    copy_rows_kernel<V><<<blocks_for(units, 1), kCopyThreads, 0, stream>>>(
+    auto kernel = a.expert_map ? copy_rows_kernel<V, true> : copy_rows_kernel<V, false>;
+    kernel<<<blocks_for(units, 1), kCopyThreads, 0, stream>>>(
         static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, a.row_map, a.tokens, a.topk,
         a.batch, a.rows, row_bytes, layout, a.num_local, a.align, static_cast<char*>(a.out));
     return cudaGetLastError();
@@ -871,7 +880,7 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
       using X = typename decltype(xtag)::type;
       constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x);
-      const int grid = blocks_for(a.batch * a.tokens, 1);
+      const int grid = blocks_for(a.batch * a.tokens * a.topk, 1);
       if (vec) weight_grad_kernel<C, X, kVec><<<grid, kThreads, 0, stream>>>(a);
       else weight_grad_kernel<C, X, 1><<<grid, kThreads, 0, stream>>>(a);
       result = cudaGetLastError();

@@ -8,7 +8,8 @@ On GPU, device time is the sum of each op's kernel times from CUPTI
 fewest it must move (op_bytes): T*H*itemsize*(1+K) for permute (each token row read once, its
 K copies written), unpermute (K rows read, one written) and permute's backward (an unpermute);
 T*H*itemsize*(1+2K) for unpermute's backward (the cotangent read once, K rows of its gradient
-written, and K expert rows read again for the weights' gradient).
+written, and K expert rows read again for the weights' gradient); for permute with an
+expert_map or align_size=128, the rows of routed tokens read plus every output row written.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ MODELS = {  # name: (E, K, H, token counts)
 }
 DEFAULT_MODELS = ("mixtral", "qwen3", "deepseek")
 QUICK_TOKENS = (1, 64, 4096)
-OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd")
+OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd", "permute_ep", "permute_align128")
+# permute_ep: expert parallelism, an expert_map keeping E/8 experts local; permute_align128:
+# expert blocks padded to 128 rows. Both are charged the rows they must read and write.
+ROUTED_OPS = ("permute_ep", "permute_align128")
 
 
 def on_gpu() -> bool:
@@ -117,7 +121,12 @@ def op_calls(lib, E: int, inputs: dict):
     # gradient of unpermute w.r.t. expert rows and weights
     unpermute_vjp = jax.vjp(lambda a, b: unpermute(a, x["row_map"], b), x["rows"], x["weights"])[1]
     apply = jax.jit(lambda vjp, ct: vjp(ct))
+    local = max(1, E // 8)
+    expert_map = jnp.where(jnp.arange(E) < local, jnp.arange(E), -1).astype(jnp.int32)
+    permute_ep = lambda h, i, m: lib.moe_permute(h, i, E, expert_map=m, num_local_experts=local)
     return {
+        "permute_ep": (jax.jit(permute_ep), (x["hidden"], x["ids"], expert_map)),
+        "permute_align128": (jax.jit(lambda h, i: lib.moe_permute(h, i, E, align_size=128)), (x["hidden"], x["ids"])),
         "permute": (jax.jit(permute), (x["hidden"], x["ids"])),
         "unpermute": (jax.jit(unpermute), (x["rows"], x["row_map"], x["weights"])),
         "permute_bwd": (apply, (permute_vjp, x["ct_rows"])),
@@ -125,8 +134,13 @@ def op_calls(lib, E: int, inputs: dict):
     }
 
 
-def op_bytes(op: str, T: int, H: int, K: int, itemsize: int) -> int:
-    """The fewest bytes `op` must move through device memory (module docstring)."""
+def op_bytes(op: str, T: int, H: int, K: int, itemsize: int, result=None) -> int:
+    """The fewest bytes `op` must move through device memory (module docstring). For the
+    ROUTED_OPS, from their `result`: the rows of tokens with a local entry read, every output
+    row written (copies, padding and unused rows alike)."""
+    if op in ROUTED_OPS:
+        routed = int(np.sum(np.any(np.asarray(result.row_map) >= 0, axis=1)))
+        return (routed + result.hidden.shape[0]) * H * itemsize
     return T * H * itemsize * (1 + (2 * K if op == "unpermute_bwd" else K))
 
 
@@ -146,7 +160,8 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, i
     for op in ops:
         us = device_us(ours[op][0], *ours[op][1], iterations=iterations)
         ref_us = device_us(ref[op][0], *ref[op][1], iterations=iterations)
-        nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize)
+        result = ours[op][0](*ours[op][1]) if op in ROUTED_OPS else None
+        nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize, result)
         rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
                          TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))
     return rows
