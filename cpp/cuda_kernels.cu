@@ -494,7 +494,21 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
       if (r >= 0) out[r * nvec + v] = value;
     }
   }
-  zero_unused_rows<V>(RowLayout{starts, space.counts}, L, a.align, 1, a.rows, nvec, out);
+  // Zero fill. The copy kernel's candidate walk (zero_unused_rows) costs three 64-bit
+  // divisions per candidate, and here a few blocks would walk L * (align - 1) candidates each
+  // (40 us at T=1, L=256, align 128); instead every block walks the expert blocks in shared
+  // memory and takes every gridDim.x-th padding row.
+  if (a.align > 1) {
+    int32_t seen = 0;  // padding rows of the experts before e
+    for (int32_t e = 0; e < L; ++e) {
+      const int32_t first = starts[e] + space.counts[e], pad = starts[e + 1] - first;
+      if (pad == 0) continue;
+      const int32_t grid = static_cast<int32_t>(gridDim.x), mine = static_cast<int32_t>(blockIdx.x);
+      for (int32_t j = ((mine - seen) % grid + grid) % grid; j < pad; j += grid) zero_row(out + (first + j) * nvec, nvec);
+      seen += pad;
+    }
+  }
+  for (int64_t r = starts[L] + blockIdx.x; r < a.rows; r += gridDim.x) zero_row(out + r * nvec, nvec);
 }
 
 // The widest access (up to 16 bytes) that divides the row and every base address.
