@@ -109,28 +109,45 @@ def routing(T: int, E: int, K: int, seed: int = 0):
     return ids.astype(jnp.int32), jax.nn.softmax(weights, axis=-1)
 
 
-def op_calls(lib, E: int, inputs: dict):
-    """{op: (jitted function, its arguments)} for `lib` (jmp or jmp.reference). The backward ops
+def op_call(lib, E: int, inputs: dict, op: str):
+    """(jitted function, its arguments) of `op` for `lib` (jmp or jmp.reference). The backward ops
     time only the backward pass: the forward runs once here, and its vjp function (holding the
     residuals, e.g. row_map) is an argument of the jitted call."""
-    permute = lambda h, i: lib.moe_permute(h, i, E)
-    unpermute = lambda x, rm, w: lib.moe_unpermute(x, rm, w)
     x = inputs
-    # gradient of permute w.r.t. hidden: an unweighted unpermute of the cotangent
-    permute_vjp = jax.vjp(lambda a: permute(a, x["ids"])[0], x["hidden"])[1]
-    # gradient of unpermute w.r.t. expert rows and weights
-    unpermute_vjp = jax.vjp(lambda a, b: unpermute(a, x["row_map"], b), x["rows"], x["weights"])[1]
-    apply = jax.jit(lambda vjp, ct: vjp(ct))
-    local = max(1, E // 8)
-    expert_map = jnp.where(jnp.arange(E) < local, jnp.arange(E), -1).astype(jnp.int32)
-    permute_ep = lambda h, i, m: lib.moe_permute(h, i, E, expert_map=m, num_local_experts=local)
+    permute = lambda h, i: lib.moe_permute(h, i, E)
+    unpermute = lambda r, rm, w: lib.moe_unpermute(r, rm, w)
+    apply_vjp = lambda vjp, ct: vjp(ct)
+    if op == "permute":
+        return jax.jit(permute), (x["hidden"], x["ids"])
+    if op == "unpermute":
+        return jax.jit(unpermute), (x["rows"], x["row_map"], x["weights"])
+    if op == "permute_bwd":  # gradient w.r.t. hidden: an unweighted unpermute of the cotangent
+        return jax.jit(apply_vjp), (jax.vjp(lambda h: permute(h, x["ids"])[0], x["hidden"])[1], x["ct_rows"])
+    if op == "unpermute_bwd":  # gradient w.r.t. expert rows and weights
+        vjp = jax.vjp(lambda r, w: unpermute(r, x["row_map"], w), x["rows"], x["weights"])[1]
+        return jax.jit(apply_vjp), (vjp, x["ct_tokens"])
+    if op == "permute_ep":
+        local = max(1, E // 8)
+        expert_map = jnp.where(jnp.arange(E) < local, jnp.arange(E), -1).astype(jnp.int32)
+        f = lambda h, i, m: lib.moe_permute(h, i, E, expert_map=m, num_local_experts=local)
+        return jax.jit(f), (x["hidden"], x["ids"], expert_map)
+    if op == "permute_align128":
+        return jax.jit(lambda h, i: lib.moe_permute(h, i, E, align_size=128)), (x["hidden"], x["ids"])
+    raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+
+
+def shape_inputs(model: str, T: int, dtype=jnp.bfloat16) -> dict:
+    """Random inputs of every op at one grid shape (routing of random router logits)."""
+    E, K, H, _ = MODELS[model]
+    ids, weights = routing(T, E, K)
+    hidden = jax.random.normal(jax.random.PRNGKey(1), (T, H), jnp.float32).astype(dtype)
+    res = jmp.moe_permute(hidden, ids, E)
+    rows_shape = res.hidden.shape
     return {
-        "permute_ep": (jax.jit(permute_ep), (x["hidden"], x["ids"], expert_map)),
-        "permute_align128": (jax.jit(lambda h, i: lib.moe_permute(h, i, E, align_size=128)), (x["hidden"], x["ids"])),
-        "permute": (jax.jit(permute), (x["hidden"], x["ids"])),
-        "unpermute": (jax.jit(unpermute), (x["rows"], x["row_map"], x["weights"])),
-        "permute_bwd": (apply, (permute_vjp, x["ct_rows"])),
-        "unpermute_bwd": (apply, (unpermute_vjp, x["ct_tokens"])),
+        "hidden": hidden, "ids": ids, "weights": weights, "row_map": res.row_map,
+        "rows": jax.random.normal(jax.random.PRNGKey(2), rows_shape, jnp.float32).astype(dtype),
+        "ct_rows": jax.random.normal(jax.random.PRNGKey(3), rows_shape, jnp.float32).astype(dtype),
+        "ct_tokens": jax.random.normal(jax.random.PRNGKey(4), (T, H), jnp.float32).astype(dtype),
     }
 
 
@@ -146,22 +163,13 @@ def op_bytes(op: str, T: int, H: int, K: int, itemsize: int, result=None) -> int
 
 def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, iterations: int = 20):
     E, K, H, _ = MODELS[model]
-    ids, weights = routing(T, E, K)
-    hidden = jax.random.normal(jax.random.PRNGKey(1), (T, H), jnp.float32).astype(dtype)
-    res = jmp.moe_permute(hidden, ids, E)
-    inputs = {
-        "hidden": hidden, "ids": ids, "weights": weights, "row_map": res.row_map,
-        "rows": jax.random.normal(jax.random.PRNGKey(2), res.hidden.shape, jnp.float32).astype(dtype),
-        "ct_rows": jax.random.normal(jax.random.PRNGKey(3), res.hidden.shape, jnp.float32).astype(dtype),
-        "ct_tokens": jax.random.normal(jax.random.PRNGKey(4), (T, H), jnp.float32).astype(dtype),
-    }
-    ours, ref = op_calls(jmp, E, inputs), op_calls(jmp.reference, E, inputs)
+    inputs = shape_inputs(model, T, dtype)
     rows = []
     for op in ops:
-        us = device_us(ours[op][0], *ours[op][1], iterations=iterations)
-        ref_us = device_us(ref[op][0], *ref[op][1], iterations=iterations)
-        result = ours[op][0](*ours[op][1]) if op in ROUTED_OPS else None
-        nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize, result)
+        (f, args), (ref_f, ref_args) = op_call(jmp, E, inputs, op), op_call(jmp.reference, E, inputs, op)
+        us = device_us(f, *args, iterations=iterations)
+        ref_us = device_us(ref_f, *ref_args, iterations=iterations)
+        nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize, f(*args) if op in ROUTED_OPS else None)
         rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
                          TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))
     return rows

@@ -12,7 +12,7 @@ import jax_moe_permute as jmp
 from jax_moe_permute import bench
 
 
-def kernels(f, *args, iterations=10):
+def kernels(f, args, iterations=10):
     jax.block_until_ready(f(*args))
     _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
     names = [n for n, _ in per_iter[0]]
@@ -23,15 +23,11 @@ def main(specs):
     for spec in specs:
         model, T = spec.split(":")
         T = int(T)
-        E, K, H, _ = bench.MODELS[model]
-        ids, weights = bench.routing(T, E, K)
-        hidden = jax.random.normal(jax.random.PRNGKey(1), (T, H)).astype("bfloat16")
-        res = jmp.moe_permute(hidden, ids, E)
-        inputs = dict(hidden=hidden, ids=ids, weights=weights, row_map=res.row_map, rows=res.hidden,
-                      ct_rows=res.hidden, ct_tokens=hidden)
+        E = bench.MODELS[model][0]
+        inputs = bench.shape_inputs(model, T)
         for lib_name, lib in (("ours", jmp), ("ref", jmp.reference)):
-            for op, (f, args) in bench.op_calls(lib, E, inputs).items():
-                ks = kernels(f, *args)
+            for op in bench.OPS:
+                ks = kernels(*bench.op_call(lib, E, inputs, op))
                 total = sum(t for _, t in ks)
                 print(f"{model} T={T} {lib_name} {op}: {total:.1f} us")
                 for n, t in ks:
