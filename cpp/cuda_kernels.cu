@@ -250,40 +250,6 @@ __device__ void zero_unused_rows(RowLayout layout, int64_t L, int64_t align, int
       zero_row(out + (b * rows + r) * nvec, nvec);
 }
 
-// Blocks over (token, chunk of the row): the token's row is read once and written to each of
-// its K rows. Then the same blocks zero the rows no entry holds. kSkipUnrouted (with an
-// expert_map, where many tokens have no local expert): read the row only when some entry of
-// the token has a row, at the price of reading the row map first.
-template <typename V, bool kSkipUnrouted>
-__global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
-    const char* hidden, int64_t hidden_bstride_bytes, const int32_t* row_map, int64_t tokens, int64_t topk,
-    int64_t batch, int64_t rows, int64_t row_bytes, RowLayout layout, int64_t L, int64_t align, char* out) {
-  const int64_t nvec = row_bytes / sizeof(V), chunks = (nvec + kCopyChunk - 1) / kCopyChunk;
-  for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
-    const int64_t g = u / chunks, b = g / tokens, t = g % tokens, v0 = (u % chunks) * kCopyChunk + threadIdx.x;
-    const int32_t* rm = row_map + g * topk;
-    if (kSkipUnrouted) {
-      bool routed = false;
-      for (int64_t k = 0; k < topk; ++k) routed |= rm[k] >= 0;
-      if (!routed) continue;
-    }
-    const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes + t * row_bytes);
-    V value[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j)
-      if (v0 + j * kCopyThreads < nvec) value[j] = src[v0 + j * kCopyThreads];
-    for (int64_t k = 0; k < topk; ++k) {
-      const int64_t r = rm[k];
-      if (r < 0) continue;
-      V* dst = reinterpret_cast<V*>(out + (b * rows + r) * row_bytes);
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j)
-        if (v0 + j * kCopyThreads < nvec) dst[v0 + j * kCopyThreads] = value[j];
-    }
-  }
-  zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
-}
-
 // ---- ranking entries by local expert, in shared memory -------------------------------
 // A block of kRankThreads threads ranks up to kRankThreads * kItems entries among equal local
 // experts in flat-index order, without sorting: warp w owns entries [w * 32 * kItems,
@@ -345,94 +311,183 @@ __device__ void rank_by_expert(const PermuteArgs& a, const int32_t* ids, const i
 }
 
 // ---- permute, large batches: a tiled counting sort -------------------------------------
-// 1. Each block ranks one tile of 2048 entries by local expert and records the tile's
-//    per-expert counts and each entry's (expert, rank within the tile).
+// 1. Each block ranks one tile of entries by local expert and records the tile's per-expert
+//    counts and each entry's (expert, rank within the tile).
 // 2. One block per example turns counts into padded expert blocks and each tile's first row
 //    per expert.
-// 3. Every entry then knows its row: its tile's first row for the expert + its rank.
-constexpr int kTileItems = 8;
-constexpr int64_t kTileEntries = int64_t{kRankThreads} * kTileItems;
-constexpr int kOffsetThreads = 1024;  // one thread per local expert (L <= kMaxRankedLocal)
+// 3. The copy kernel finds each entry's row (its tile's first row for the expert + its rank)
+//    and writes the row map as it copies.
+// Tiles hold 256 to 2048 entries: small tiles keep the ranking short (a chain of kItems
+// chunks per warp), large ones keep step 2 short (tiles * L counts to scan).
+constexpr int kOffsetThreads = 1024;  // >= one thread per local expert (L <= kMaxRankedLocal)
+constexpr int kRankKeyBits = 10;      // local expert (or L when dropped) < 1024
+static_assert(kMaxRankedLocal < (1 << kRankKeyBits), "a ranked entry packs its expert in kRankKeyBits");
+
+// Entries per thread of a tile: the fewest that keep the tile counts to about 8 per thread of
+// the offsets block.
+int tile_items(int64_t entries, int64_t L) {
+  for (int items = 1; items < 8; items *= 2) {
+    const int64_t tile = int64_t{kRankThreads} * items;
+    if ((entries + tile - 1) / tile * L <= 8 * kOffsetThreads) return items;
+  }
+  return 8;
+}
 
 struct TileSpace {
-  int32_t* keys;     // [B * tiles * kTileEntries] local expert of each entry
-  int32_t* ranks;    // [B * tiles * kTileEntries] entries of the same expert before it in the tile
+  int32_t* ranked;   // [B * tiles * tile_entries] rank within the tile << kRankKeyBits | local expert
   int32_t* hist;     // [B * tiles * L] entries of expert e in the tile
   int32_t* offset;   // [B * tiles * L] row of expert e's first entry of the tile
   int32_t* starts;   // [B * (L + 1)]
   int32_t* counts;   // [B * L]
+  int64_t tiles, tile_entries;
 };
 
-int64_t tiles_of(int64_t entries) { return std::max<int64_t>(1, (entries + kTileEntries - 1) / kTileEntries); }
-
-int64_t tile_space_bytes(int64_t batch, int64_t entries, int64_t L) {
-  const int64_t slots = batch * tiles_of(entries);
-  return 2 * pad256(4 * slots * kTileEntries) + 2 * pad256(4 * slots * L) + pad256(4 * batch * (L + 1)) +
-         pad256(4 * batch * L);
-}
-
-TileSpace carve_tiles(void* ws, int64_t batch, int64_t entries, int64_t L) {
-  const int64_t slots = batch * tiles_of(entries);
-  char* p = static_cast<char*>(ws);
-  auto take = [&](int64_t count) { char* q = p; p += pad256(4 * count); return reinterpret_cast<int32_t*>(q); };
+// Carves the workspace at `ws` (any address when only the size is wanted) and adds up its bytes.
+TileSpace carve_tiles(void* ws, int64_t batch, int64_t entries, int64_t L, int64_t* bytes = nullptr) {
   TileSpace t;
-  t.keys = take(slots * kTileEntries);
-  t.ranks = take(slots * kTileEntries);
+  t.tile_entries = int64_t{kRankThreads} * tile_items(entries, L);
+  t.tiles = std::max<int64_t>(1, (entries + t.tile_entries - 1) / t.tile_entries);
+  const int64_t slots = batch * t.tiles;
+  int64_t used = 0;
+  auto take = [&](int64_t count) {
+    int32_t* q = reinterpret_cast<int32_t*>(reinterpret_cast<uintptr_t>(ws) + used);
+    used += pad256(4 * count);
+    return q;
+  };
+  t.ranked = take(slots * t.tile_entries);
   t.hist = take(slots * L);
   t.offset = take(slots * L);
   t.starts = take(batch * (L + 1));
   t.counts = take(batch * L);
+  if (bytes) *bytes = used;
   return t;
 }
 
+template <int kItems>
 __global__ void __launch_bounds__(kRankThreads) tile_rank_kernel(PermuteArgs a, TileSpace ts) {
   __shared__ RankSpace space;
-  const int64_t b = blockIdx.y, tiles = gridDim.x, slot = b * tiles + blockIdx.x;
-  const int64_t n = a.tokens * a.topk, L = a.num_local, first = blockIdx.x * kTileEntries;
+  const int64_t b = blockIdx.y, slot = b * ts.tiles + blockIdx.x;
+  const int64_t n = a.tokens * a.topk, L = a.num_local, first = blockIdx.x * ts.tile_entries;
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
-  int32_t key[kTileItems], rank[kTileItems];
-  rank_by_expert<kTileItems>(a, a.ids + b * a.ids_bstride + first, map, n - first, space, key, rank);
+  int32_t key[kItems], rank[kItems];
+  rank_by_expert<kItems>(a, a.ids + b * a.ids_bstride + first, map, n - first, space, key, rank);
 #pragma unroll
-  for (int c = 0; c < kTileItems; ++c) {
-    const int64_t p = slot * kTileEntries + ranked_entry<kTileItems>(c);
-    ts.keys[p] = key[c];
-    ts.ranks[p] = rank[c];
-  }
+  for (int c = 0; c < kItems; ++c)
+    ts.ranked[slot * ts.tile_entries + ranked_entry<kItems>(c)] = rank[c] << kRankKeyBits | key[c];
   for (int64_t e = threadIdx.x; e < L; e += kRankThreads) ts.hist[slot * L + e] = space.counts[e];
 }
 
-__global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
+// One block per example. Thread i < P * L (P = kOffsetThreads / L) owns expert e = i % L over
+// the p = i / L-th contiguous share of the tiles. One block scan in expert-major order gives
+// both the experts' totals and each share's first row within its expert; a second scans the
+// padded totals into expert block starts.
+__global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts) {
   using Scan = cub::BlockScan<int32_t, kOffsetThreads>;
   __shared__ typename Scan::TempStorage scan;
-  const int64_t b = blockIdx.x, L = a.num_local, e = threadIdx.x;
-  int32_t count = 0;
-  if (e < L)
-    for (int64_t t = 0; t < tiles; ++t) count += ts.hist[(b * tiles + t) * L + e];
-  const int32_t padded = e < L ? static_cast<int32_t>(round_up(count, a.align)) : 0;
+  __shared__ int32_t before[kOffsetThreads + 1];  // expert-major exclusive prefix of the shares
+  __shared__ int32_t starts[kMaxRankedLocal + 1];
+  const int64_t b = blockIdx.x, L = a.num_local, tiles = ts.tiles;
+  const int i = threadIdx.x, P = static_cast<int>(kOffsetThreads / L), e = static_cast<int>(i % L), p = static_cast<int>(i / L);
+  const int64_t share = (tiles + P - 1) / P, t0 = min(tiles, p * share), t1 = min(tiles, t0 + share);
+  const int32_t* hist = ts.hist + b * tiles * L;
+  int32_t sum = 0;
+  if (p < P)
+    for (int64_t t = t0; t < t1; ++t) sum += hist[t * L + e];
+  before[i] = 0;
+  __syncthreads();
+  if (p < P) before[e * P + p] = sum;
+  __syncthreads();
+  int32_t prefix, all;
+  Scan(scan).ExclusiveSum(before[i], prefix, all);
+  __syncthreads();
+  before[i] = prefix;
+  if (i == 0) before[kOffsetThreads] = all;
+  __syncthreads();
+  const int32_t count = i < L ? before[(i + 1) * P] - before[i * P] : 0;
+  const int32_t padded = static_cast<int32_t>(round_up(count, a.align));
   int32_t start, total;
   Scan(scan).ExclusiveSum(padded, start, total);
-  if (e < L) {
-    ts.starts[b * (L + 1) + e] = start;
-    ts.counts[b * L + e] = count;
-    a.group_sizes[b * L + e] = padded;
-    int32_t row = start;
-    for (int64_t t = 0; t < tiles; ++t) {
+  if (i < L) {
+    starts[i] = start;
+    ts.starts[b * (L + 1) + i] = start;
+    ts.counts[b * L + i] = count;
+    a.group_sizes[b * L + i] = padded;
+  }
+  if (i == 0) ts.starts[b * (L + 1) + L] = total;
+  __syncthreads();
+  if (p < P) {
+    int32_t row = starts[e] + before[e * P + p] - before[e * P];
+    for (int64_t t = t0; t < t1; ++t) {
       ts.offset[(b * tiles + t) * L + e] = row;
-      row += ts.hist[(b * tiles + t) * L + e];
+      row += hist[t * L + e];
     }
   }
-  if (e == 0) ts.starts[b * (L + 1) + L] = total;
 }
 
-__global__ void tile_rows_kernel(PermuteArgs a, TileSpace ts, int64_t tiles) {
-  const int64_t n = a.tokens * a.topk, L = a.num_local;
-  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < a.batch * tiles * kTileEntries;
-       q += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t slot = q / kTileEntries, b = slot / tiles, i = slot % tiles * kTileEntries + q % kTileEntries;
-    if (i >= n) continue;  // the last tile's unused slots
-    const int64_t e = ts.keys[q];
-    a.row_map[b * n + i] = e < L ? ts.offset[slot * L + e] + ts.ranks[q] : -1;
+// Where the copy kernel finds a token's rows: in the row map, or (tiled routing, ranked not
+// null) from each entry's tile: the tile's first row of its expert + its rank, recorded in the
+// row map on the way.
+struct EntryRows {
+  int32_t* row_map;        // [B, n]
+  const int32_t* ranked;   // TileSpace::ranked, or null
+  const int32_t* offset;   // TileSpace::offset
+  int64_t tiles;
+  int tile_shift;          // log2 of the tile's entries
+};
+
+// Row of the token's k-th entry; i0 = t * K is the token's first entry within example b.
+template <bool kFromTiles>
+__device__ __forceinline__ int32_t entry_row(const EntryRows& er, int64_t b, int64_t n, int64_t i0, int64_t k,
+                                             int32_t L, bool record) {
+  int32_t* rm = er.row_map + b * n + i0;
+  if constexpr (!kFromTiles) {
+    return rm[k];
+  } else {
+    // Tiles are laid out back to back, so an entry's slot is its flat index within the example.
+    const int32_t packed = er.ranked[(b * er.tiles << er.tile_shift) + i0 + k];
+    const int32_t e = packed & ((1 << kRankKeyBits) - 1);
+    const int32_t tile = static_cast<int32_t>((i0 + k) >> er.tile_shift);
+    const int32_t r = e < L ? er.offset[(b * er.tiles + tile) * L + e] + (packed >> kRankKeyBits) : -1;
+    if (record) rm[k] = r;
+    return r;
   }
+}
+
+// Blocks over (token, chunk of the row): the token's row is read once and written to each of
+// its K rows. Then the same blocks zero the rows no entry holds. kSkipUnrouted (with an
+// expert_map, where many tokens have no local expert): read the row only when some entry of
+// the token has a row, at the price of finding the rows first.
+template <typename V, bool kSkipUnrouted, bool kFromTiles>
+__global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
+    const char* hidden, int64_t hidden_bstride_bytes, EntryRows er, int64_t tokens, int64_t topk,
+    int64_t batch, int64_t rows, int64_t row_bytes, RowLayout layout, int32_t L, int64_t align, char* out) {
+  // At least one chunk per token, so that tiled routing records the rows even when H = 0.
+  const int64_t nvec = row_bytes / sizeof(V), chunks = max(int64_t{1}, (nvec + kCopyChunk - 1) / kCopyChunk);
+  const int64_t n = tokens * topk;
+  for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
+    const int64_t g = u / chunks, b = g / tokens, i0 = (g - b * tokens) * topk;
+    const int64_t v0 = (u % chunks) * kCopyChunk + threadIdx.x;
+    const bool record = kFromTiles && u % chunks == 0 && threadIdx.x == 0;
+    if (kSkipUnrouted) {
+      bool routed = false;
+      for (int64_t k = 0; k < topk; ++k) routed |= entry_row<kFromTiles>(er, b, n, i0, k, L, record) >= 0;
+      if (!routed) continue;
+    }
+    const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes + (g - b * tokens) * row_bytes);
+    V value[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (v0 + j * kCopyThreads < nvec) value[j] = src[v0 + j * kCopyThreads];
+    V* dst = reinterpret_cast<V*>(out + b * rows * row_bytes);
+    for (int64_t k = 0; k < topk; ++k) {
+      const int64_t r = entry_row<kFromTiles>(er, b, n, i0, k, L, record && !kSkipUnrouted);
+      if (r < 0) continue;
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j)
+        if (v0 + j * kCopyThreads < nvec) dst[r * nvec + v0 + j * kCopyThreads] = value[j];
+    }
+  }
+  zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
 }
 
 // ---- permute, small batches: one launch -------------------------------------------------
@@ -452,6 +507,16 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
 
   const int64_t b = blockIdx.y, n = a.tokens * a.topk;
   const int32_t L = a.num_local;
+  const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
+  const int64_t chunks = (nvec + kSmallThreads - 1) / kSmallThreads;
+  const V* hidden = reinterpret_cast<const V*>(static_cast<const char*>(a.hidden) +
+                                               b * a.hidden_bstride * a.elem_bytes);
+  // The block's first unit of the copy is read before the routing, which hides the read.
+  const int64_t first_v = (blockIdx.x % max(chunks, int64_t{1})) * kSmallThreads + threadIdx.x;
+  const bool prefetch = blockIdx.x < a.tokens * chunks && first_v < nvec;
+  V first_value{};
+  if (prefetch) first_value = hidden[blockIdx.x / chunks * nvec + first_v];
+
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
   int32_t key[kItems], rank[kItems];
   rank_by_expert<kItems>(a, a.ids + b * a.ids_bstride, map, n, space, key, rank);
@@ -478,17 +543,13 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
     for (int e = threadIdx.x; e < L; e += kSmallThreads) a.group_sizes[b * L + e] = starts[e + 1] - starts[e];
   }
 
-  const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
-  const int64_t chunks = (nvec + kSmallThreads - 1) / kSmallThreads;
-  const V* hidden = reinterpret_cast<const V*>(static_cast<const char*>(a.hidden) +
-                                               b * a.hidden_bstride * a.elem_bytes);
   V* out = reinterpret_cast<V*>(static_cast<char*>(a.out) + b * a.rows * row_bytes);
   for (int64_t u = blockIdx.x; u < a.tokens * chunks; u += gridDim.x) {
     const int64_t t = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
     bool routed = false;  // shared-memory reads: cheaper than reading a row nobody needs
     for (int64_t k = 0; k < a.topk; ++k) routed |= row_of[t * a.topk + k] >= 0;
     if (v >= nvec || !routed) continue;
-    const V value = hidden[t * nvec + v];
+    const V value = u == blockIdx.x ? first_value : hidden[t * nvec + v];
     for (int64_t k = 0; k < a.topk; ++k) {
       const int32_t r = row_of[t * a.topk + k];
       if (r >= 0) out[r * nvec + v] = value;
@@ -652,65 +713,94 @@ __global__ void __launch_bounds__(kGatherThreads) single_entry_rows_kernel(Scatt
   }
 }
 
-// One warp per output row; rows with exactly one entry are done. Others get the weighted sum
-// of their entries in ascending flat index (the sorted order), float32; no entry gives zeros.
+// Rows with no entry or several: zeros, or the weighted sum of their entries in ascending flat
+// index (the sorted order), float32. Each warp checks 32 rows at once (one per lane: most rows
+// have exactly one entry and are done) and then moves the rows left, one after another.
 template <typename X, typename O, int V>
 __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_vals, const int32_t* seg) {
   const X* xs = static_cast<const X*>(a.x);
   const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.tokens * a.topk;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t g = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; g < a.batch * R; g += warps) {
-    const int64_t b = g / R, r = g % R;
-    const int64_t begin = seg[b * (R + 1) + r], end = seg[b * (R + 1) + r + 1];
-    if (end - begin == 1) continue;
-    for (int64_t h = (threadIdx.x % 32) * int64_t(V); h < H; h += 32 * V) {
-      float acc[V] = {};
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
-        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
-        float f[V];
-        load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32), lane = threadIdx.x % 32;
+  const int64_t groups = a.batch * ((R + 31) / 32);
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; q < groups; q += warps) {
+    const int64_t b = q / ((R + 31) / 32), r_mine = q % ((R + 31) / 32) * 32 + lane;
+    const bool todo = r_mine < R && seg[b * (R + 1) + r_mine + 1] - seg[b * (R + 1) + r_mine] != 1;
+    for (uint32_t left = __ballot_sync(0xffffffffu, todo); left != 0; left &= left - 1) {
+      const int64_t r = r_mine - lane + __ffs(left) - 1;
+      const int64_t begin = seg[b * (R + 1) + r], end = seg[b * (R + 1) + r + 1];
+      for (int64_t h = lane * int64_t(V); h < H; h += 32 * V) {
+        float acc[V] = {};
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t j = sorted_vals[p] % n;  // flat t*K+k within the example
+          const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+          float f[V];
+          load_f32<X, V>(xs + b * a.x_bstride + (j / K) * H + h, f);
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
+          for (int i = 0; i < V; ++i) acc[i] = p == begin ? w * f[i] : acc[i] + w * f[i];
+        }
+        store_f32<O, V>(static_cast<O*>(a.out) + (b * R + r) * H + h, acc);
       }
-      store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
     }
   }
 }
 
 // ---- weight gradient ---------------------------------------------------------------------
-// One block per entry (t, k): dw = <ct[t], x[row_map[t, k]]>, a block-wide float32 sum. (Blocks
-// per token, with the K dots one after another, made T=1 a chain of K reductions: 10 us.)
+// One block per token: dw[t, k] = <ct[t], x[row_map[t, k]]> for up to kDots entries at once,
+// so the cotangent row is read once per kDots entries (one block per entry read it K times and
+// was too little work per block for small H). Each thread keeps kDots float32 partial sums;
+// warp shuffles, then one pass over the warps' sums, finish them in a fixed order.
+constexpr int kDots = 8;
+
 template <typename C, typename X, int V>
-__global__ void weight_grad_kernel(WeightGradArgs a) {
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  const int64_t H = a.hidden_size, K = a.topk, per_example = a.tokens * K;
-  for (int64_t g = blockIdx.x; g < a.batch * per_example; g += gridDim.x) {
-    const int64_t b = g / per_example, j = g - b * per_example;  // j = t * K + k
-    const int64_t r = a.row_map[b * a.rm_bstride + j];
-    float dot = 0.0f;
-    if (r >= 0 && r < a.rows) {  // uniform over the block
-      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (j / K) * H;
-      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + r * H;
-      float partial = 0.0f;
-      for (int64_t h = threadIdx.x * int64_t(V); h < H; h += blockDim.x * int64_t(V)) {
-        float c[V], f[V];
-        load_f32<C, V>(ct + h, c);
-        load_f32<X, V>(x + h, f);
+__global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float warp_sums[kWarps][kDots];
+  const int64_t H = a.hidden_size, K = a.topk;
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g - b * a.tokens;
+    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
+    for (int64_t k0 = 0; k0 < K; k0 += kDots) {
+      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+      int32_t r[kDots];
 #pragma unroll
-        for (int i = 0; i < V; ++i) partial += c[i] * f[i];
+      for (int j = 0; j < kDots; ++j) {
+        r[j] = k0 + j < K ? a.row_map[b * a.rm_bstride + t * K + k0 + j] : -1;
+        if (r[j] >= a.rows) r[j] = -1;
       }
-      dot = Reduce(storage).Sum(partial);
-      __syncthreads();  // storage is reused by the next entry
-    }
-    if (threadIdx.x == 0) {
-      float d[1] = {dot};
-      switch (a.out_dtype) {
-        case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g, d); break;
-        case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g, d); break;
-        default: store_f32<float, 1>(static_cast<float*>(a.out) + g, d);
+      float dot[kDots] = {};
+      for (int64_t h = threadIdx.x * int64_t(V); h < H; h += kThreads * int64_t(V)) {
+        const Vec<C, V> c = *reinterpret_cast<const Vec<C, V>*>(ct + h);
+        Vec<X, V> raw[kDots];
+#pragma unroll
+        for (int j = 0; j < kDots; ++j)
+          if (r[j] >= 0) raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + r[j] * H + h);
+#pragma unroll
+        for (int j = 0; j < kDots; ++j) {
+          if (r[j] < 0) continue;
+#pragma unroll
+          for (int i = 0; i < V; ++i) dot[j] += to_f32(c.v[i]) * to_f32(raw[j].v[i]);
+        }
       }
+#pragma unroll
+      for (int j = 0; j < kDots; ++j) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) dot[j] += __shfl_down_sync(0xffffffffu, dot[j], offset);
+        if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32][j] = dot[j];
+      }
+      __syncthreads();
+      if (threadIdx.x < kDots && k0 + threadIdx.x < K) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
+        float d[1] = {sum};
+        const int64_t o = g * K + k0 + threadIdx.x;
+        switch (a.out_dtype) {
+          case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + o, d); break;
+          case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + o, d); break;
+          default: store_f32<float, 1>(static_cast<float*>(a.out) + o, d);
+        }
+      }
+      __syncthreads();  // warp_sums is reused by the next group
     }
   }
 }
@@ -721,7 +811,7 @@ bool use_tiles(int64_t num_local) { return num_local <= kMaxRankedLocal; }
 
 cudaError_t permute_workspace_bytes(int64_t batch, int64_t entries, int64_t num_local, int64_t* bytes) {
   if (use_tiles(num_local)) {
-    *bytes = tile_space_bytes(batch, entries, num_local);
+    carve_tiles(nullptr, batch, entries, num_local, bytes);
     return cudaSuccess;
   }
   const int64_t items = batch * entries;
@@ -752,32 +842,39 @@ cudaError_t permute_small(const PermuteArgs& a, cudaStream_t stream) {
 }
 
 // Copies each token row to its K rows and zeroes the rows no entry holds.
-cudaError_t copy_and_zero(const PermuteArgs& a, RowLayout layout, cudaStream_t stream) {
+cudaError_t copy_and_zero(const PermuteArgs& a, const EntryRows& er, RowLayout layout, cudaStream_t stream) {
   const int64_t row_bytes = a.hidden_size * a.elem_bytes;
-  if (row_bytes == 0) return cudaSuccess;
-  return with_access_type(row_bytes, {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
+  if (row_bytes == 0 && er.ranked == nullptr) return cudaSuccess;  // tiled routing still records the rows
+  return with_access_type(std::max<int64_t>(row_bytes, 1), {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
     using V = typename decltype(tag)::type;
-    const int64_t chunks = (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk;
+    const int64_t chunks = std::max<int64_t>(1, (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk);
     const int64_t units = std::max(a.batch * a.tokens * chunks, int64_t{4} * multiprocessors());
-    auto kernel = a.expert_map ? copy_rows_kernel<V, true> : copy_rows_kernel<V, false>;
+    auto kernel = er.ranked ? (a.expert_map ? copy_rows_kernel<V, true, true> : copy_rows_kernel<V, false, true>)
+                            : (a.expert_map ? copy_rows_kernel<V, true, false> : copy_rows_kernel<V, false, false>);
     kernel<<<blocks_for(units, 1), kCopyThreads, 0, stream>>>(
-        static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, a.row_map, a.tokens, a.topk,
-        a.batch, a.rows, row_bytes, layout, a.num_local, a.align, static_cast<char*>(a.out));
+        static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, er, a.tokens, a.topk, a.batch, a.rows,
+        row_bytes, layout, a.num_local, a.align, static_cast<char*>(a.out));
     return cudaGetLastError();
   });
 }
 
 cudaError_t permute_tiled(const PermuteArgs& a, cudaStream_t stream) {
-  const int64_t n = a.tokens * a.topk, tiles = tiles_of(n);
+  const int64_t n = a.tokens * a.topk;
   const TileSpace ts = carve_tiles(a.workspace, a.batch, n, a.num_local);
-  tile_rank_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(a.batch)), kRankThreads, 0, stream>>>(
-      a, ts);
+  const dim3 grid(static_cast<unsigned>(ts.tiles), static_cast<unsigned>(a.batch));
+  switch (ts.tile_entries / kRankThreads) {
+    case 1: tile_rank_kernel<1><<<grid, kRankThreads, 0, stream>>>(a, ts); break;
+    case 2: tile_rank_kernel<2><<<grid, kRankThreads, 0, stream>>>(a, ts); break;
+    case 4: tile_rank_kernel<4><<<grid, kRankThreads, 0, stream>>>(a, ts); break;
+    default: tile_rank_kernel<8><<<grid, kRankThreads, 0, stream>>>(a, ts);
+  }
   MOE_CHECK_LAUNCH();
-  tile_offsets_kernel<<<static_cast<unsigned>(a.batch), kOffsetThreads, 0, stream>>>(a, ts, tiles);
+  tile_offsets_kernel<<<static_cast<unsigned>(a.batch), kOffsetThreads, 0, stream>>>(a, ts);
   MOE_CHECK_LAUNCH();
-  tile_rows_kernel<<<blocks_for(a.batch * tiles * kTileEntries), kThreads, 0, stream>>>(a, ts, tiles);
-  MOE_CHECK_LAUNCH();
-  return copy_and_zero(a, RowLayout{ts.starts, ts.counts}, stream);
+  int shift = 0;
+  while ((int64_t{1} << shift) < ts.tile_entries) ++shift;
+  return copy_and_zero(a, EntryRows{a.row_map, ts.ranked, ts.offset, ts.tiles, shift}, RowLayout{ts.starts, ts.counts},
+                       stream);
 }
 
 // Fallback for more than kMaxRankedLocal local experts: a CUB radix sort of (batch, expert) keys.
@@ -802,7 +899,7 @@ cudaError_t permute_sorted(const PermuteArgs& a, cudaStream_t stream) {
   assign_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(s.keys_out, s.vals_out, total, a.num_local, seg,
                                                                  starts, a.row_map);
   MOE_CHECK_LAUNCH();
-  return copy_and_zero(a, RowLayout{starts, counts}, stream);
+  return copy_and_zero(a, EntryRows{a.row_map, nullptr, nullptr, 0, 0}, RowLayout{starts, counts}, stream);
 }
 
 cudaError_t permute(const PermuteArgs& a, cudaStream_t stream) {
@@ -847,7 +944,7 @@ cudaError_t launch_scatter(const ScatterArgs& a, const uint32_t* sorted_vals, co
         a, seg);
     MOE_CHECK_LAUNCH();
   }
-  multi_entry_rows_kernel<X, O, V><<<blocks_for(a.batch * a.rows, kThreads / 32), kThreads, 0, stream>>>(
+  multi_entry_rows_kernel<X, O, V><<<blocks_for(a.batch * ((a.rows + 31) / 32), kThreads / 32), kThreads, 0, stream>>>(
       a, sorted_vals, seg);
   return cudaGetLastError();
 }
@@ -894,7 +991,7 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
       using X = typename decltype(xtag)::type;
       constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x);
-      const int grid = blocks_for(a.batch * a.tokens * a.topk, 1);
+      const int grid = blocks_for(a.batch * a.tokens, 1);
       if (vec) weight_grad_kernel<C, X, kVec><<<grid, kThreads, 0, stream>>>(a);
       else weight_grad_kernel<C, X, 1><<<grid, kThreads, 0, stream>>>(a);
       result = cudaGetLastError();

@@ -1,9 +1,9 @@
 """Per-kernel CUPTI times of ours and the reference for a few shapes (GPU only).
 
-    python benchmarks/micro/kernel_breakdown.py [model:T ...]
+    python benchmarks/micro/kernel_breakdown.py [--ops permute,unpermute] [--ours] [model:T ...]
 """
+import argparse
 import statistics
-import sys
 
 import jax
 from jax.experimental.mosaic.gpu import profiler
@@ -19,14 +19,15 @@ def kernels(f, args, iterations=10):
     return [(n, 1e3 * statistics.median(it[i][1] for it in per_iter)) for i, n in enumerate(names)]
 
 
-def main(specs):
+def main(specs, ops, ours_only):
+    libs = (("ours", jmp),) if ours_only else (("ours", jmp), ("ref", jmp.reference))
     for spec in specs:
         model, T = spec.split(":")
         T = int(T)
         E = bench.MODELS[model][0]
         inputs = bench.shape_inputs(model, T)
-        for lib_name, lib in (("ours", jmp), ("ref", jmp.reference)):
-            for op in bench.OPS:
+        for lib_name, lib in libs:
+            for op in ops:
                 ks = kernels(*bench.op_call(lib, E, inputs, op))
                 total = sum(t for _, t in ks)
                 print(f"{model} T={T} {lib_name} {op}: {total:.1f} us")
@@ -35,4 +36,10 @@ def main(specs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["mixtral:1", "deepseek:1", "qwen3:64", "deepseek:64", "mixtral:4096", "deepseek:16384"])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="*", metavar="model:T",
+                        default=["mixtral:1", "deepseek:1", "qwen3:64", "deepseek:64", "mixtral:4096", "deepseek:16384"])
+    parser.add_argument("--ops", default=",".join(bench.OPS), help="comma-separated ops (default: all)")
+    parser.add_argument("--ours", action="store_true", help="skip the reference")
+    args = parser.parse_args()
+    main(args.specs, args.ops.split(","), args.ours)
