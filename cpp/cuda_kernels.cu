@@ -323,12 +323,13 @@ constexpr int kOffsetThreads = 1024;  // >= one thread per local expert (L <= kM
 constexpr int kRankKeyBits = 10;      // local expert (or L when dropped) < 1024
 static_assert(kMaxRankedLocal < (1 << kRankKeyBits), "a ranked entry packs its expert in kRankKeyBits");
 
-// Entries per thread of a tile: the fewest that keep the tile counts to about 8 per thread of
-// the offsets block.
+// Entries per thread of a tile: the fewest that keep the tile counts to kMaxShare per thread
+// of the offsets block.
+constexpr int kMaxShare = 8;
 int tile_items(int64_t entries, int64_t L) {
   for (int items = 1; items < 8; items *= 2) {
     const int64_t tile = int64_t{kRankThreads} * items;
-    if ((entries + tile - 1) / tile * L <= 8 * kOffsetThreads) return items;
+    if ((entries + tile - 1) / tile * L <= kMaxShare * kOffsetThreads) return items;
   }
   return 8;
 }
@@ -378,9 +379,10 @@ __global__ void __launch_bounds__(kRankThreads) tile_rank_kernel(PermuteArgs a, 
 }
 
 // One block per example. Thread i < P * L (P = kOffsetThreads / L) owns expert e = i % L over
-// the p = i / L-th contiguous share of the tiles. One block scan in expert-major order gives
-// both the experts' totals and each share's first row within its expert; a second scans the
-// padded totals into expert block starts.
+// the p = i / L-th contiguous share of the tiles (at most 8 with tile_items). One block scan in
+// expert-major order gives both the experts' totals and each share's first row within its
+// expert; with padding, a second scans the padded totals into expert block starts.
+
 __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts) {
   using Scan = cub::BlockScan<int32_t, kOffsetThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -390,12 +392,18 @@ __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArg
   const int i = threadIdx.x, P = static_cast<int>(kOffsetThreads / L), e = static_cast<int>(i % L), p = static_cast<int>(i / L);
   const int64_t share = (tiles + P - 1) / P, t0 = min(tiles, p * share), t1 = min(tiles, t0 + share);
   const int32_t* hist = ts.hist + b * tiles * L;
+  int32_t counts[kMaxShare];  // the share's tile counts, kept for the second pass when it fits
   int32_t sum = 0;
-  if (p < P)
-    for (int64_t t = t0; t < t1; ++t) sum += hist[t * L + e];
-  before[i] = 0;
-  __syncthreads();
-  if (p < P) before[e * P + p] = sum;
+  if (p < P) {
+#pragma unroll
+    for (int c = 0; c < kMaxShare; ++c) counts[c] = t0 + c < t1 ? hist[(t0 + c) * L + e] : 0;
+#pragma unroll
+    for (int c = 0; c < kMaxShare; ++c) sum += counts[c];
+    for (int64_t t = t0 + kMaxShare; t < t1; ++t) sum += hist[t * L + e];
+    before[e * P + p] = sum;
+  } else {
+    before[i] = 0;  // the slots past P * L
+  }
   __syncthreads();
   int32_t prefix, all;
   Scan(scan).ExclusiveSum(before[i], prefix, all);
@@ -404,20 +412,26 @@ __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArg
   if (i == 0) before[kOffsetThreads] = all;
   __syncthreads();
   const int32_t count = i < L ? before[(i + 1) * P] - before[i * P] : 0;
-  const int32_t padded = static_cast<int32_t>(round_up(count, a.align));
-  int32_t start, total;
-  Scan(scan).ExclusiveSum(padded, start, total);
+  int32_t start = i < L ? before[i * P] : 0, total = all;
+  if (a.align > 1) {  // uniform over the block
+    Scan(scan).ExclusiveSum(static_cast<int32_t>(round_up(count, a.align)), start, total);
+  }
   if (i < L) {
     starts[i] = start;
     ts.starts[b * (L + 1) + i] = start;
     ts.counts[b * L + i] = count;
-    a.group_sizes[b * L + i] = padded;
+    a.group_sizes[b * L + i] = static_cast<int32_t>(round_up(count, a.align));
   }
   if (i == 0) ts.starts[b * (L + 1) + L] = total;
   __syncthreads();
   if (p < P) {
     int32_t row = starts[e] + before[e * P + p] - before[e * P];
-    for (int64_t t = t0; t < t1; ++t) {
+#pragma unroll
+    for (int c = 0; c < kMaxShare; ++c) {
+      if (t0 + c < t1) ts.offset[(b * tiles + t0 + c) * L + e] = row;
+      row += counts[c];
+    }
+    for (int64_t t = t0 + kMaxShare; t < t1; ++t) {
       ts.offset[(b * tiles + t) * L + e] = row;
       row += hist[t * L + e];
     }
@@ -507,16 +521,6 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
 
   const int64_t b = blockIdx.y, n = a.tokens * a.topk;
   const int32_t L = a.num_local;
-  const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
-  const int64_t chunks = (nvec + kSmallThreads - 1) / kSmallThreads;
-  const V* hidden = reinterpret_cast<const V*>(static_cast<const char*>(a.hidden) +
-                                               b * a.hidden_bstride * a.elem_bytes);
-  // The block's first unit of the copy is read before the routing, which hides the read.
-  const int64_t first_v = (blockIdx.x % max(chunks, int64_t{1})) * kSmallThreads + threadIdx.x;
-  const bool prefetch = blockIdx.x < a.tokens * chunks && first_v < nvec;
-  V first_value{};
-  if (prefetch) first_value = hidden[blockIdx.x / chunks * nvec + first_v];
-
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
   int32_t key[kItems], rank[kItems];
   rank_by_expert<kItems>(a, a.ids + b * a.ids_bstride, map, n, space, key, rank);
@@ -543,13 +547,17 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
     for (int e = threadIdx.x; e < L; e += kSmallThreads) a.group_sizes[b * L + e] = starts[e + 1] - starts[e];
   }
 
+  const int64_t row_bytes = a.hidden_size * a.elem_bytes, nvec = row_bytes / sizeof(V);
+  const int64_t chunks = (nvec + kSmallThreads - 1) / kSmallThreads;
+  const V* hidden = reinterpret_cast<const V*>(static_cast<const char*>(a.hidden) +
+                                               b * a.hidden_bstride * a.elem_bytes);
   V* out = reinterpret_cast<V*>(static_cast<char*>(a.out) + b * a.rows * row_bytes);
   for (int64_t u = blockIdx.x; u < a.tokens * chunks; u += gridDim.x) {
     const int64_t t = u / chunks, v = (u % chunks) * kSmallThreads + threadIdx.x;
     bool routed = false;  // shared-memory reads: cheaper than reading a row nobody needs
     for (int64_t k = 0; k < a.topk; ++k) routed |= row_of[t * a.topk + k] >= 0;
     if (v >= nvec || !routed) continue;
-    const V value = u == blockIdx.x ? first_value : hidden[t * nvec + v];
+    const V value = hidden[t * nvec + v];
     for (int64_t k = 0; k < a.topk; ++k) {
       const int32_t r = row_of[t * a.topk + k];
       if (r >= 0) out[r * nvec + v] = value;
@@ -745,62 +753,62 @@ __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_va
 }
 
 // ---- weight gradient ---------------------------------------------------------------------
-// One block per token: dw[t, k] = <ct[t], x[row_map[t, k]]> for up to kDots entries at once,
-// so the cotangent row is read once per kDots entries (one block per entry read it K times and
-// was too little work per block for small H). Each thread keeps kDots float32 partial sums;
-// warp shuffles, then one pass over the warps' sums, finish them in a fixed order.
-constexpr int kDots = 8;
+// dw[t, k] = <ct[t], x[row_map[t, k]]>, float32, by a group of kGroup threads per entry: a warp
+// when there are entries enough to fill the GPU (no block barrier; the K warps of a token read
+// its cotangent row through L1), else the whole block (short rows of work for small batches).
+// Each thread reads up to kWgUnroll vector pairs before it multiplies; the group's sum is a
+// warp shuffle tree, then (block groups) the warps' sums in order.
+constexpr int kWgUnroll = 2;
 
-template <typename C, typename X, int V>
+template <typename C, typename X, int V, int kGroup>
 __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a) {
-  constexpr int kWarps = kThreads / 32;
-  __shared__ float warp_sums[kWarps][kDots];
-  const int64_t H = a.hidden_size, K = a.topk;
-  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
-    const int64_t b = g / a.tokens, t = g - b * a.tokens;
-    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
-    for (int64_t k0 = 0; k0 < K; k0 += kDots) {
-      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
-      int32_t r[kDots];
+  constexpr int kGroups = kThreads / kGroup;
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t H = a.hidden_size, K = a.topk, entries = a.batch * a.tokens * K, per_example = a.tokens * K;
+  const int lane = threadIdx.x % kGroup;
+  for (int64_t g0 = blockIdx.x * int64_t{kGroups}; g0 < entries; g0 += int64_t(gridDim.x) * kGroups) {
+    const int64_t g = g0 + threadIdx.x / kGroup;  // g = b * T * K + t * K + k
+    float partial = 0.0f;
+    const int64_t b = g / per_example, j = g - b * per_example;
+    const int64_t r = g < entries ? a.row_map[b * a.rm_bstride + j] : -1;
+    if (r >= 0 && r < a.rows) {
+      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (j / K) * H;
+      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + r * H;
+      for (int64_t h0 = lane * int64_t(V); h0 < H; h0 += int64_t{kGroup} * V * kWgUnroll) {
+        Vec<C, V> c[kWgUnroll];
+        Vec<X, V> f[kWgUnroll];
 #pragma unroll
-      for (int j = 0; j < kDots; ++j) {
-        r[j] = k0 + j < K ? a.row_map[b * a.rm_bstride + t * K + k0 + j] : -1;
-        if (r[j] >= a.rows) r[j] = -1;
-      }
-      float dot[kDots] = {};
-      for (int64_t h = threadIdx.x * int64_t(V); h < H; h += kThreads * int64_t(V)) {
-        const Vec<C, V> c = *reinterpret_cast<const Vec<C, V>*>(ct + h);
-        Vec<X, V> raw[kDots];
+        for (int u = 0; u < kWgUnroll; ++u) {
+          const int64_t h = h0 + int64_t{u} * kGroup * V;
+          if (h < H) {
+            c[u] = *reinterpret_cast<const Vec<C, V>*>(ct + h);
+            f[u] = *reinterpret_cast<const Vec<X, V>*>(x + h);
+          }
+        }
 #pragma unroll
-        for (int j = 0; j < kDots; ++j)
-          if (r[j] >= 0) raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + r[j] * H + h);
+        for (int u = 0; u < kWgUnroll; ++u) {
+          if (h0 + int64_t{u} * kGroup * V >= H) break;
 #pragma unroll
-        for (int j = 0; j < kDots; ++j) {
-          if (r[j] < 0) continue;
-#pragma unroll
-          for (int i = 0; i < V; ++i) dot[j] += to_f32(c.v[i]) * to_f32(raw[j].v[i]);
+          for (int i = 0; i < V; ++i) partial += to_f32(c[u].v[i]) * to_f32(f[u].v[i]);
         }
       }
+    }
 #pragma unroll
-      for (int j = 0; j < kDots; ++j) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) dot[j] += __shfl_down_sync(0xffffffffu, dot[j], offset);
-        if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32][j] = dot[j];
-      }
+    for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_down_sync(0xffffffffu, partial, offset);
+    if constexpr (kGroup > 32) {
+      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = partial;
       __syncthreads();
-      if (threadIdx.x < kDots && k0 + threadIdx.x < K) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
-        float d[1] = {sum};
-        const int64_t o = g * K + k0 + threadIdx.x;
-        switch (a.out_dtype) {
-          case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + o, d); break;
-          case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + o, d); break;
-          default: store_f32<float, 1>(static_cast<float*>(a.out) + o, d);
-        }
+      if (threadIdx.x == 0)
+        for (int w = 1; w < kGroup / 32; ++w) partial += warp_sums[w];
+      __syncthreads();  // warp_sums is reused by the next entry
+    }
+    if (lane == 0 && g < entries) {
+      float d[1] = {partial};
+      switch (a.out_dtype) {
+        case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g, d); break;
+        case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g, d); break;
+        default: store_f32<float, 1>(static_cast<float*>(a.out) + g, d);
       }
-      __syncthreads();  // warp_sums is reused by the next group
     }
   }
 }
@@ -983,7 +991,10 @@ cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
-  if (a.batch * a.tokens * a.topk == 0) return cudaSuccess;
+  const int64_t entries = a.batch * a.tokens * a.topk;
+  if (entries == 0) return cudaSuccess;
+  // A warp per entry once that gives every multiprocessor two blocks of work.
+  const bool warps = entries >= int64_t{2} * (kThreads / 32) * multiprocessors();
   cudaError_t result = cudaSuccess;
   visit_input(a.ct_dtype, [&](auto ctag) {
     using C = typename decltype(ctag)::type;
@@ -991,9 +1002,10 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
       using X = typename decltype(xtag)::type;
       constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x);
-      const int grid = blocks_for(a.batch * a.tokens, 1);
-      if (vec) weight_grad_kernel<C, X, kVec><<<grid, kThreads, 0, stream>>>(a);
-      else weight_grad_kernel<C, X, 1><<<grid, kThreads, 0, stream>>>(a);
+      auto kernel = vec ? (warps ? weight_grad_kernel<C, X, kVec, 32> : weight_grad_kernel<C, X, kVec, kThreads>)
+                        : (warps ? weight_grad_kernel<C, X, 1, 32> : weight_grad_kernel<C, X, 1, kThreads>);
+      const int64_t per_block = warps ? kThreads / 32 : 1;
+      kernel<<<blocks_for(entries, per_block), kThreads, 0, stream>>>(a);
       result = cudaGetLastError();
     });
   });
