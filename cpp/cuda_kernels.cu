@@ -384,7 +384,8 @@ __global__ void __launch_bounds__(kRankThreads) tile_rank_kernel(PermuteArgs a, 
 // expert; with padding, a second scans the padded totals into expert block starts.
 
 __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts) {
-  using Scan = cub::BlockScan<int32_t, kOffsetThreads>;
+  // Warp-shuffle scans: the default (raking) has one warp walk 32 values per lane, twice.
+  using Scan = cub::BlockScan<int32_t, kOffsetThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int32_t before[kOffsetThreads + 1];  // expert-major exclusive prefix of the shares
   __shared__ int32_t starts[kMaxRankedLocal + 1];
@@ -513,7 +514,7 @@ constexpr int64_t kSmallMaxEntries = 2048;
 
 template <int kItems, typename V>
 __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a) {
-  using Scan = cub::BlockScan<int32_t, kSmallThreads>;
+  using Scan = cub::BlockScan<int32_t, kSmallThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ RankSpace space;
   __shared__ int32_t starts[kMaxRankedLocal + 1];
@@ -754,8 +755,8 @@ __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_va
 
 // ---- weight gradient ---------------------------------------------------------------------
 // dw[t, k] = <ct[t], x[row_map[t, k]]>, float32, by a group of kGroup threads per entry: a warp
-// when there are entries enough to fill the GPU (no block barrier; the K warps of a token read
-// its cotangent row through L1), else the whole block (short rows of work for small batches).
+// for short rows when there are entries enough to fill the GPU (no block barrier; the K warps
+// of a token read its cotangent row through L1), else the whole block.
 // Each thread reads up to kWgUnroll vector pairs before it multiplies; the group's sum is a
 // warp shuffle tree, then (block groups) the warps' sums in order.
 constexpr int kWgUnroll = 2;
@@ -993,8 +994,13 @@ cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream) {
 cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
   const int64_t entries = a.batch * a.tokens * a.topk;
   if (entries == 0) return cudaSuccess;
-  // A warp per entry once that gives every multiprocessor two blocks of work.
-  const bool warps = entries >= int64_t{2} * (kThreads / 32) * multiprocessors();
+  // A warp per entry for short rows (<= 8 vectors per lane) once that gives every
+  // multiprocessor two blocks of work; else a block per entry. Measured on the H200: a warp
+  // per entry took Qwen3 (H=2048) T=16384 from 288 to 217 us but Mixtral (H=4096) T=4096
+  // from 34 to 38 and DeepSeek (H=7168) T=4096 from 147 to 167.
+  const int64_t vec_bytes = 16, elem = std::max(dtype_bytes(a.ct_dtype), dtype_bytes(a.x_dtype));
+  const bool warps = entries >= int64_t{2} * (kThreads / 32) * multiprocessors() &&
+                     a.hidden_size * elem <= 8 * 32 * vec_bytes;
   cudaError_t result = cudaSuccess;
   visit_input(a.ct_dtype, [&](auto ctag) {
     using C = typename decltype(ctag)::type;
