@@ -688,35 +688,38 @@ __global__ void segment_bounds_kernel(const uint32_t* sorted_keys, int64_t total
 // token-major, like permute's copy: each token row is read once and its weighted copies go to
 // its K rows. Rows with no entry or several are left to multi_entry_rows_kernel.
 // seg[b * (R + 1) + r] .. seg[b * (R + 1) + r + 1]: the sorted entries of row r.
-template <typename X, typename O, int V>
+// Blocks over (token, chunk of kUnroll * kGatherThreads vectors): kUnroll = 4 keeps enough
+// loads in flight on large grids (one vector per thread wrote at ~3 TB/s for K = 2), 1 spreads
+// small grids over more blocks.
+template <typename X, typename O, int V, int kUnroll>
 __global__ void __launch_bounds__(kGatherThreads) single_entry_rows_kernel(ScatterArgs a, const int32_t* seg) {
-  constexpr int kBatch = 4;
   const int64_t H = a.hidden_size, K = a.topk, R = a.rows;
-  const int64_t h = (blockIdx.y * int64_t(kGatherThreads) + threadIdx.x) * V;
-  if (h >= H) return;
+  const int64_t h0 = (blockIdx.y * int64_t{kGatherThreads} * kUnroll + threadIdx.x) * V;
+  if (h0 >= H) return;
   for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
     const int64_t b = g / a.tokens, t = g - b * a.tokens;
-    const Vec<X, V> raw = *reinterpret_cast<const Vec<X, V>*>(static_cast<const X*>(a.x) + b * a.x_bstride + t * H + h);
+    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + t * H;
+    Vec<X, V> raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t h = h0 + int64_t{u} * kGatherThreads * V;
+      if (h < H) raw[u] = *reinterpret_cast<const Vec<X, V>*>(x + h);
+    }
     const int32_t* rm = a.row_map + b * a.rm_bstride + t * K;
     const int32_t* my_seg = seg + b * (R + 1);
-    for (int64_t k0 = 0; k0 < K; k0 += kBatch) {
-      int32_t r[kBatch];
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t r = rm[k];
+      if (r < 0 || r >= R || my_seg[r + 1] - my_seg[r] != 1) continue;
+      const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + t * K + k);
+      O* out = static_cast<O*>(a.out) + (b * R + r) * H;
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        r[j] = k0 + j < K ? rm[k0 + j] : -1;
-        if (r[j] >= R) r[j] = -1;
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (r[j] >= 0 && my_seg[r[j] + 1] - my_seg[r[j]] != 1) r[j] = -1;
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (r[j] < 0) continue;
-        const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + t * K + k0 + j);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t h = h0 + int64_t{u} * kGatherThreads * V;
+        if (h >= H) break;
         float f[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) f[i] = w * to_f32(raw.v[i]);
-        store_f32<O, V>(static_cast<O*>(a.out) + (b * R + r[j]) * H + h, f);
+        for (int i = 0; i < V; ++i) f[i] = w * to_f32(raw[u].v[i]);
+        store_f32<O, V>(out + h, f);
       }
     }
   }
@@ -949,8 +952,13 @@ template <typename X, typename O, int V>
 cudaError_t launch_scatter(const ScatterArgs& a, const uint32_t* sorted_vals, const int32_t* seg,
                            cudaStream_t stream) {
   if (a.batch * a.tokens > 0) {
-    single_entry_rows_kernel<X, O, V><<<gather_grid(a.batch * a.tokens, a.hidden_size, V), kGatherThreads, 0, stream>>>(
-        a, seg);
+    const dim3 grid = gather_grid(a.batch * a.tokens, a.hidden_size, V);
+    if (int64_t{grid.x} * grid.y >= 16 * multiprocessors()) {
+      single_entry_rows_kernel<X, O, V, 4><<<gather_grid(a.batch * a.tokens, a.hidden_size, 4 * V), kGatherThreads, 0,
+                                              stream>>>(a, seg);
+    } else {
+      single_entry_rows_kernel<X, O, V, 1><<<grid, kGatherThreads, 0, stream>>>(a, seg);
+    }
     MOE_CHECK_LAUNCH();
   }
   multi_entry_rows_kernel<X, O, V><<<blocks_for(a.batch * ((a.rows + 31) / 32), kThreads / 32), kThreads, 0, stream>>>(
