@@ -514,10 +514,11 @@ constexpr int64_t kSmallMaxEntries = 2048;
 
 template <int kItems, typename V>
 __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArgs a) {
-  using Scan = cub::BlockScan<int32_t, kSmallThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using Scan = cub::BlockScan<int64_t, kSmallThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ RankSpace space;
   __shared__ int32_t starts[kMaxRankedLocal + 1];
+  __shared__ int32_t pad_before[kMaxRankedLocal + 1];  // padding rows of the experts before e
   __shared__ int32_t row_of[kSmallThreads * kItems];
 
   const int64_t b = blockIdx.y, n = a.tokens * a.topk;
@@ -525,17 +526,26 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
   int32_t key[kItems], rank[kItems];
   rank_by_expert<kItems>(a, a.ids + b * a.ids_bstride, map, n, space, key, rank);
-  int32_t carry = 0;
+  // One scan of (padded rows << 32 | padding rows): expert block starts and padding prefix.
+  int64_t carry = 0;
   for (int e0 = 0; e0 < L; e0 += kSmallThreads) {
     const int e = e0 + threadIdx.x;
-    const int32_t padded = e < L ? static_cast<int32_t>(round_up(space.counts[e], a.align)) : 0;
-    int32_t row0, total;
-    Scan(scan).ExclusiveSum(padded, row0, total);
+    const int64_t padded = e < L ? round_up(space.counts[e], a.align) : 0;
+    const int64_t both = padded << 32 | (e < L ? padded - space.counts[e] : 0);
+    int64_t before, total;
+    Scan(scan).ExclusiveSum(both, before, total);
     __syncthreads();
-    if (e < L) starts[e] = carry + row0;
+    before += carry;
+    if (e < L) {
+      starts[e] = static_cast<int32_t>(before >> 32);
+      pad_before[e] = static_cast<int32_t>(before & 0xffffffff);
+    }
     carry += total;
   }
-  if (threadIdx.x == 0) starts[L] = carry;
+  if (threadIdx.x == 0) {
+    starts[L] = static_cast<int32_t>(carry >> 32);
+    pad_before[L] = static_cast<int32_t>(carry & 0xffffffff);
+  }
   __syncthreads();
 #pragma unroll
   for (int c = 0; c < kItems; ++c) {
@@ -564,21 +574,25 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
       if (r >= 0) out[r * nvec + v] = value;
     }
   }
-  // Zero fill. The copy kernel's candidate walk (zero_unused_rows) costs three 64-bit
-  // divisions per candidate, and here a few blocks would walk L * (align - 1) candidates each
-  // (40 us at T=1, L=256, align 128); instead every block walks the expert blocks in shared
-  // memory and takes every gridDim.x-th padding row.
-  if (a.align > 1) {
-    int32_t seen = 0;  // padding rows of the experts before e
-    for (int32_t e = 0; e < L; ++e) {
-      const int32_t first = starts[e] + space.counts[e], pad = starts[e + 1] - first;
-      if (pad == 0) continue;
-      const int32_t grid = static_cast<int32_t>(gridDim.x), mine = static_cast<int32_t>(blockIdx.x);
-      for (int32_t j = ((mine - seen) % grid + grid) % grid; j < pad; j += grid) zero_row(out + (first + j) * nvec, nvec);
-      seen += pad;
+  // Zero fill: unused row q < pad_before[L] is padding, found by a binary search over the
+  // padding prefix; the rest is the tail [starts[L], rows). A warp per row, so that the
+  // searches of a block's rows overlap. (Walking the L expert blocks per thread took ~70 ns per
+  // expert: 20 us at T=1, L=256, align 128; the copy kernel's candidate walk, zero_unused_rows,
+  // would cost three 64-bit divisions per candidate here.)
+  const int64_t unused = pad_before[L] + (a.rows - starts[L]);
+  const int64_t warps = int64_t{gridDim.x} * (kSmallThreads / 32);
+  for (int64_t q = blockIdx.x * int64_t{kSmallThreads / 32} + threadIdx.x / 32; q < unused; q += warps) {
+    int64_t r = starts[L] + (q - pad_before[L]);
+    if (q < pad_before[L]) {
+      int32_t lo = 0, hi = L;  // pad_before[lo] <= q < pad_before[hi]
+      while (hi - lo > 1) {
+        const int32_t mid = (lo + hi) / 2;
+        if (pad_before[mid] <= q) lo = mid; else hi = mid;
+      }
+      r = starts[lo] + space.counts[lo] + (q - pad_before[lo]);
     }
+    for (int64_t v = threadIdx.x % 32; v < nvec; v += 32) out[r * nvec + v] = V{};
   }
-  for (int64_t r = starts[L] + blockIdx.x; r < a.rows; r += gridDim.x) zero_row(out + r * nvec, nvec);
 }
 
 // The widest access (up to 16 bytes) that divides the row and every base address.
@@ -760,13 +774,12 @@ __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_va
 // dw[t, k] = <ct[t], x[row_map[t, k]]>, float32, by a group of kGroup threads per entry: a warp
 // for short rows when there are entries enough to fill the GPU (no block barrier; the K warps
 // of a token read its cotangent row through L1), else the whole block.
-// Each thread reads up to kWgUnroll vector pairs before it multiplies; the group's sum is a
-// warp shuffle tree, then (block groups) the warps' sums in order.
-constexpr int kWgUnroll = 2;
-
+// A warp's threads read two vector pairs before they multiply (a block's, one: fewer registers,
+// more resident blocks; measured faster on the H200); the group's sum is a warp shuffle tree,
+// then (block groups) the warps' sums in order.
 template <typename C, typename X, int V, int kGroup>
 __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a) {
-  constexpr int kGroups = kThreads / kGroup;
+  constexpr int kGroups = kThreads / kGroup, kWgUnroll = kGroup == 32 ? 2 : 1;
   __shared__ float warp_sums[kThreads / 32];
   const int64_t H = a.hidden_size, K = a.topk, entries = a.batch * a.tokens * K, per_example = a.tokens * K;
   const int lane = threadIdx.x % kGroup;
