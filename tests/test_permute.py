@@ -21,6 +21,8 @@ SHAPES = [
     # On CUDA: more than 2048 entries take the tiled sort, more than 1023 local experts the
     # radix-sort fallback.
     (700, 16, 64, 4),
+    (2048, 8, 512, 8),  # tiles of 1024 entries, two tile shares per offsets thread
+    (4096, 4, 1000, 8),  # tiles of 2048, more tiles per offsets thread than it keeps in registers
     (300, 16, 2000, 8),
     (5, 3, 1500, 2),
 ]
