@@ -579,9 +579,11 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
   // searches of a block's rows overlap. (Walking the L expert blocks per thread took ~70 ns per
   // expert: 20 us at T=1, L=256, align 128; the copy kernel's candidate walk, zero_unused_rows,
   // would cost three 64-bit divisions per candidate here.)
+  // Rows go round the blocks first, then round each block's warps: a few rows spread over
+  // as many multiprocessors as there are rows.
   const int64_t unused = pad_before[L] + (a.rows - starts[L]);
   const int64_t warps = int64_t{gridDim.x} * (kSmallThreads / 32);
-  for (int64_t q = blockIdx.x * int64_t{kSmallThreads / 32} + threadIdx.x / 32; q < unused; q += warps) {
+  for (int64_t q = blockIdx.x + int64_t{gridDim.x} * (threadIdx.x / 32); q < unused; q += warps) {
     int64_t r = starts[L] + (q - pad_before[L]);
     if (q < pad_before[L]) {
       int32_t lo = 0, hi = L;  // pad_before[lo] <= q < pad_before[hi]
