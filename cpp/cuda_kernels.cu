@@ -382,7 +382,6 @@ __global__ void __launch_bounds__(kRankThreads) tile_rank_kernel(PermuteArgs a, 
 // the p = i / L-th contiguous share of the tiles (at most 8 with tile_items). One block scan in
 // expert-major order gives both the experts' totals and each share's first row within its
 // expert; with padding, a second scans the padded totals into expert block starts.
-
 __global__ void __launch_bounds__(kOffsetThreads) tile_offsets_kernel(PermuteArgs a, TileSpace ts) {
   // Warp-shuffle scans: the default (raking) has one warp walk 32 values per lane, twice.
   using Scan = cub::BlockScan<int32_t, kOffsetThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -576,11 +575,10 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
   }
   // Zero fill: unused row q < pad_before[L] is padding, found by a binary search over the
   // padding prefix; the rest is the tail [starts[L], rows). A warp per row, so that the
-  // searches of a block's rows overlap. (Walking the L expert blocks per thread took ~70 ns per
-  // expert: 20 us at T=1, L=256, align 128; the copy kernel's candidate walk, zero_unused_rows,
-  // would cost three 64-bit divisions per candidate here.)
-  // Rows go round the blocks first, then round each block's warps: a few rows spread over
-  // as many multiprocessors as there are rows.
+  // searches of a block's rows overlap; rows go round the blocks first, so that a few rows
+  // spread over as many multiprocessors. (Walking the L expert blocks per thread took ~70 ns
+  // per expert: 20 us at T=1, L=256, align 128; the copy kernel's candidate walk,
+  // zero_unused_rows, would cost three 64-bit divisions per candidate here.)
   const int64_t unused = pad_before[L] + (a.rows - starts[L]);
   const int64_t warps = int64_t{gridDim.x} * (kSmallThreads / 32);
   for (int64_t q = blockIdx.x + int64_t{gridDim.x} * (threadIdx.x / 32); q < unused; q += warps) {
