@@ -266,9 +266,10 @@ struct RowLayout {
   const int32_t* counts;  // [B, L] entries of each expert
 };
 
+// Threads first, first + stride, ... zero the row (a block, or a warp: first = lane, stride 32).
 template <typename V>
-__device__ __forceinline__ void zero_row(V* row, int64_t nvec) {
-  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) row[v] = V{};
+__device__ __forceinline__ void zero_row(V* row, int64_t nvec, int first, int stride) {
+  for (int64_t v = first; v < nvec; v += stride) row[v] = V{};
 }
 
 // Zeroes the rows that hold no entry: each expert block's padding [starts[e] + counts[e],
@@ -281,11 +282,12 @@ __device__ void zero_unused_rows(RowLayout layout, int64_t L, int64_t align, int
   for (int64_t c = blockIdx.x; c < batch * per_example; c += gridDim.x) {
     const int64_t b = c / per_example, e = c % per_example / (align - 1), j = c % per_example % (align - 1);
     const int64_t r = layout.starts[b * (L + 1) + e] + layout.counts[b * L + e] + j;
-    if (r < layout.starts[b * (L + 1) + e + 1]) zero_row(out + (b * rows + r) * nvec, nvec);
+    if (r < layout.starts[b * (L + 1) + e + 1])
+      zero_row(out + (b * rows + r) * nvec, nvec, threadIdx.x, blockDim.x);
   }
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t r = layout.starts[b * (L + 1) + L] + blockIdx.x; r < rows; r += gridDim.x)
-      zero_row(out + (b * rows + r) * nvec, nvec);
+      zero_row(out + (b * rows + r) * nvec, nvec, threadIdx.x, blockDim.x);
 }
 
 // ---- ranking entries by local expert, in shared memory -------------------------------
@@ -644,7 +646,7 @@ __global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(PermuteArg
       }
       r = starts[lo] + space.counts[lo] + (q - pad_before[lo]);
     }
-    for (int64_t v = threadIdx.x % 32; v < nvec; v += 32) out[r * nvec + v] = V{};
+    zero_row(out + r * nvec, nvec, threadIdx.x % 32, 32);
   }
 }
 
@@ -1073,9 +1075,9 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
   // multiprocessor two blocks of work; else a block per entry. Measured on the H200: a warp
   // per entry took Qwen3 (H=2048) T=16384 from 288 to 217 us but Mixtral (H=4096) T=4096
   // from 34 to 38 and DeepSeek (H=7168) T=4096 from 147 to 167.
-  const int64_t vec_bytes = 16, elem = std::max(dtype_bytes(a.ct_dtype), dtype_bytes(a.x_dtype));
+  const int64_t elem = std::max(dtype_bytes(a.ct_dtype), dtype_bytes(a.x_dtype));
   const bool warps = entries >= int64_t{2} * (kThreads / 32) * multiprocessors() &&
-                     a.hidden_size * elem <= 8 * 32 * vec_bytes;
+                     a.hidden_size * elem <= 8 * 32 * kGatherVecBytes;
   cudaError_t result = cudaSuccess;
   visit_input(a.ct_dtype, [&](auto ctag) {
     using C = typename decltype(ctag)::type;
