@@ -99,6 +99,16 @@ __device__ __forceinline__ float weight_at(const void* w, Dtype d, int64_t i) {
   }
 }
 
+// Writes a weight (or weight cotangent) of dtype d: float32, bfloat16 or float16.
+__device__ __forceinline__ void store_weight(void* out, Dtype d, int64_t i, float value) {
+  float v[1] = {value};
+  switch (d) {
+    case Dtype::kBF16: return store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(out) + i, v);
+    case Dtype::kF16: return store_f32<__half, 1>(static_cast<__half*>(out) + i, v);
+    default: return store_f32<float, 1>(static_cast<float*>(out) + i, v);
+  }
+}
+
 __device__ __forceinline__ int64_t lower_bound(const uint32_t* keys, int64_t n, uint64_t key) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
@@ -874,15 +884,155 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
         for (int w = 1; w < kGroup / 32; ++w) partial += warp_sums[w];
       __syncthreads();  // warp_sums is reused by the next entry
     }
-    if (lane == 0 && g < entries) {
-      float d[1] = {partial};
-      switch (a.out_dtype) {
-        case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g, d); break;
-        case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g, d); break;
-        default: store_f32<float, 1>(static_cast<float*>(a.out) + g, d);
+    if (lane == 0 && g < entries) store_weight(a.out, a.out_dtype, g, partial);
+  }
+}
+
+// ---- unpermute's backward, fused ------------------------------------------------------------
+// 1. owner[b, r] = -1. 2. Each entry claims its row: owner = the entry, or -2 once a second
+//    entry claims it (atomics only tell "one entry" from "several", so results stay
+//    deterministic). 3. A block per token reads its cotangent row once for both cotangents: the
+//    dot products with its K expert rows (the weights' cotangent) and w * ct into each row its
+//    entry owns alone. 4. A warp per 32 rows zeroes the rows nothing maps to and sums the rows
+//    of several entries in ascending entry order, one pass over the row map per such row
+//    (permute never makes them; a user's row map may).
+constexpr int kBwdGroup = 8;  // entries of a token whose rows a thread reads at once (at most)
+
+__global__ void fill_kernel(int32_t* p, int64_t n, int32_t value) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+__global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
+  const int64_t n = a.tokens * a.topk;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < a.batch * n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / n, j = i - b * n, r = a.row_map[b * a.rm_bstride + j];
+    if (r < 0 || r >= a.rows) continue;
+    int32_t* o = owner + b * a.rows + r;
+    if (atomicCAS(o, -1, static_cast<int32_t>(j)) != -1) atomicExch(o, -2);
+  }
+}
+
+template <typename C, typename X, int V>
+__global__ void __launch_bounds__(kThreads, 3) token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
+  // 8 rows of 16-byte vectors in flight would spill under the 3-blocks register cap: 4 then.
+  constexpr int kGroup = V * sizeof(X) >= 16 && V >= 8 ? 4 : kBwdGroup;
+  __shared__ int32_t row_of[kGroup];
+  __shared__ bool owns[kGroup];
+  __shared__ float weight[kGroup];
+  __shared__ float sums[kThreads / 32][kGroup];
+  const int64_t H = a.hidden_size, K = a.topk;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
+    const int64_t b = g / a.tokens, t = g - b * a.tokens;
+    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
+    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+    X* dx = static_cast<X*>(a.out_x) + b * a.rows * H;
+    for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+      if (threadIdx.x < kGroup) {
+        const int64_t k = k0 + threadIdx.x, j = t * K + k;
+        int32_t r = k < K ? a.row_map[b * a.rm_bstride + j] : -1;
+        if (r >= a.rows) r = -1;
+        row_of[threadIdx.x] = r < 0 ? -1 : r;
+        owns[threadIdx.x] = r >= 0 && owner[b * a.rows + r] == j;
+        weight[threadIdx.x] = k < K ? weight_at(a.weights, a.w_dtype, b * a.w_bstride + j) : 0.0f;
+      }
+      __syncthreads();
+      int32_t r[kGroup];
+      float dot[kGroup];
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) {
+        r[e] = row_of[e];
+        dot[e] = 0.0f;
+      }
+      for (int64_t h = threadIdx.x * int64_t{V}; h < H; h += int64_t{kThreads} * V) {
+        float c[V];
+        load_f32<C, V>(ct + h, c);
+        Vec<X, V> raw[kGroup];
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e)
+          if (r[e] >= 0) raw[e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) {
+          if (r[e] < 0) continue;
+          float scaled[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            dot[e] += c[i] * to_f32(raw[e].v[i]);
+            scaled[i] = weight[e] * c[i];
+          }
+          if (owns[e]) store_f32<X, V>(dx + r[e] * H + h, scaled);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) dot[e] += __shfl_down_sync(0xffffffffu, dot[e], offset);
+        if (lane == 0) sums[warp][e] = dot[e];
+      }
+      __syncthreads();
+      if (threadIdx.x < kGroup && k0 + threadIdx.x < K) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) total += sums[w][threadIdx.x];
+        store_weight(a.out_w, a.out_w_dtype, b * a.tokens * K + t * K + k0 + threadIdx.x,
+                     row_of[threadIdx.x] >= 0 ? total : 0.0f);
+      }
+      __syncthreads();  // row_of, owns, weight and sums serve the next group
+    }
+  }
+}
+
+template <typename C, typename X, int V>
+__global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
+  const int64_t H = a.hidden_size, K = a.topk, n = a.tokens * K, R = a.rows, per_example = (R + 31) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; q < a.batch * per_example; q += warps) {
+    const int64_t b = q / per_example, r0 = (q - b * per_example) * 32, r = r0 + lane;
+    const int32_t o = r < R ? owner[b * R + r] : 0;
+    uint32_t todo = __ballot_sync(0xffffffffu, r < R && o < 0);
+    while (todo) {
+      const int src = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const int64_t row = r0 + src;
+      const bool several = __shfl_sync(0xffffffffu, o, src) == -2;
+      X* out = static_cast<X*>(a.out_x) + (b * R + row) * H;
+      for (int64_t base = 0; base < H; base += 32 * int64_t{V}) {
+        const int64_t h = base + lane * int64_t{V};
+        float acc[V] = {};
+        for (int64_t j0 = 0; several && j0 < n; j0 += 32) {
+          const int64_t j = j0 + lane;
+          uint32_t hits = __ballot_sync(0xffffffffu, j < n && a.row_map[b * a.rm_bstride + j] == row);
+          while (hits) {
+            const int64_t e = j0 + __ffs(hits) - 1;  // ascending entry order
+            hits &= hits - 1;
+            const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + e);
+            if (h < H) {
+              float c[V];
+              load_f32<C, V>(static_cast<const C*>(a.ct) + b * a.ct_bstride + (e / K) * H + h, c);
+#pragma unroll
+              for (int i = 0; i < V; ++i) acc[i] += w * c[i];
+            }
+          }
+        }
+        if (h < H) store_f32<X, V>(out + h, acc);
       }
     }
   }
+}
+
+template <typename C, typename X, int V>
+cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+  if (a.batch * a.tokens > 0) {
+    token_cotangents_kernel<C, X, V><<<blocks_for(a.batch * a.tokens, 1), kThreads, 0, stream>>>(a, owner);
+    MOE_CHECK_LAUNCH();
+  }
+  if (a.hidden_size > 0)
+    shared_and_empty_rows_kernel<C, X, V>
+        <<<blocks_for(a.batch * ((a.rows + 31) / 32), kThreads / 32), kThreads, 0, stream>>>(a, owner);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -1090,6 +1240,41 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
       const int64_t per_block = warps ? kThreads / 32 : 1;
       kernel<<<blocks_for(entries, per_block), kThreads, 0, stream>>>(a);
       result = cudaGetLastError();
+    });
+  });
+  return result;
+}
+
+
+int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {
+  return pad256(4 * std::max<int64_t>(1, batch * rows));
+}
+
+cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, R = a.rows;
+  // float8 inputs take scatter + weight_grad (the lowering chooses); the expert rows' cotangent
+  // comes in expert_out's dtype.
+  auto wide = [](Dtype d) { return d == Dtype::kF32 || d == Dtype::kBF16 || d == Dtype::kF16; };
+  if (!wide(a.ct_dtype) || !wide(a.x_dtype) || a.out_x_dtype != a.x_dtype) return cudaErrorInvalidValue;
+  if (a.batch == 0) return cudaSuccess;
+  int32_t* owner = static_cast<int32_t*>(a.workspace);
+  if (a.batch * R > 0) {
+    fill_kernel<<<blocks_for(a.batch * R), kThreads, 0, stream>>>(owner, a.batch * R, -1);
+    MOE_CHECK_LAUNCH();
+    if (n > 0) {
+      claim_rows_kernel<<<blocks_for(a.batch * n), kThreads, 0, stream>>>(a, owner);
+      MOE_CHECK_LAUNCH();
+    }
+  }
+  cudaError_t result = cudaSuccess;
+  visit_output(a.ct_dtype, [&](auto ctag) {
+    using C = typename decltype(ctag)::type;
+    visit_output(a.x_dtype, [&](auto xtag) {
+      using X = typename decltype(xtag)::type;
+      constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x) && aligned16(a.out_x);
+      result = vec ? launch_unpermute_bwd<C, X, kVec>(a, owner, stream)
+                   : launch_unpermute_bwd<C, X, 1>(a, owner, stream);
     });
   });
   return result;
