@@ -230,28 +230,24 @@ __global__ void expert_keys_kernel(const int32_t* ids, int64_t ids_bstride, cons
 __global__ void expert_layout_kernel(const uint32_t* sorted_keys, int64_t total, int32_t num_local,
                                      int64_t align, int32_t* seg, int32_t* starts, int32_t* counts,
                                      int32_t* group_sizes) {
-  using Scan = cub::BlockScan<int64_t, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int64_t carry;
+  __shared__ int64_t sums[33];
   const int64_t b = blockIdx.x, L = num_local;
   int32_t* my_seg = seg + b * (L + 2);
   for (int64_t e = threadIdx.x; e <= L + 1; e += blockDim.x)
     my_seg[e] = static_cast<int32_t>(lower_bound(sorted_keys, total, uint64_t(b * (L + 1) + e)));
-  if (threadIdx.x == 0) carry = 0;
   __syncthreads();
+  int64_t carry = 0;
   for (int64_t e0 = 0; e0 < L; e0 += blockDim.x) {
     const int64_t e = e0 + threadIdx.x;
     const int64_t padded = e < L ? round_up(my_seg[e + 1] - my_seg[e], align) : 0;
-    int64_t offset, chunk_total;
-    Scan(scan_storage).ExclusiveSum(padded, offset, chunk_total);
+    int64_t chunk_total;
+    const int64_t offset = block_exclusive_sum(padded, sums, &chunk_total) + carry;
     if (e < L) {
-      starts[b * (L + 1) + e] = static_cast<int32_t>(carry + offset);
+      starts[b * (L + 1) + e] = static_cast<int32_t>(offset);
       counts[b * L + e] = my_seg[e + 1] - my_seg[e];
       group_sizes[b * L + e] = static_cast<int32_t>(padded);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) carry += chunk_total;
-    __syncthreads();
+    carry += chunk_total;
   }
   if (threadIdx.x == 0) starts[b * (L + 1) + L] = static_cast<int32_t>(carry);
 }
@@ -391,7 +387,6 @@ __device__ void rank_by_expert(const PermuteArgs& a, const int32_t* ids, const i
 // Tiles hold 256 to 2048 entries: small tiles keep the ranking short (a chain of kItems
 // chunks per warp), large ones keep step 2 short (tiles * L counts to scan).
 constexpr int kOffsetThreads = 1024;  // >= one thread per local expert (L <= kMaxRankedLocal)
-
 
 // Entries per thread of a tile: the fewest that keep the tile counts to kMaxShare per thread
 // of the offsets block.
@@ -891,12 +886,14 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
 // ---- unpermute's backward, fused ------------------------------------------------------------
 // 1. owner[b, r] = -1. 2. Each entry claims its row: owner = the entry, or -2 once a second
 //    entry claims it (atomics only tell "one entry" from "several", so results stay
-//    deterministic). 3. A block per token reads its cotangent row once for both cotangents: the
-//    dot products with its K expert rows (the weights' cotangent) and w * ct into each row its
-//    entry owns alone. 4. A warp per 32 rows zeroes the rows nothing maps to and sums the rows
-//    of several entries in ascending entry order, one pass over the row map per such row
-//    (permute never makes them; a user's row map may).
-constexpr int kBwdGroup = 8;  // entries of a token whose rows a thread reads at once (at most)
+//    deterministic). 3. `parts` warps per token (one on large grids, up to a block's 8 on small
+//    ones) read its cotangent row once for both cotangents: the dot products with its K expert
+//    rows (the weights' cotangent) and w * ct into each row its entry owns alone. No barrier
+//    when a warp holds the whole token. 4. A warp per 32 rows zeroes the rows nothing maps to
+//    and sums the rows of several entries in ascending entry order, one pass over the row map
+//    per such row (permute never makes them; a user's row map may).
+constexpr int kBwdGroup = 8;  // entries of a token whose rows a lane reads at once (at most)
+constexpr int kBwdMaxParts = kThreads / 32;
 
 __global__ void fill_kernel(int32_t* p, int64_t n, int32_t value) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -914,72 +911,85 @@ __global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
   }
 }
 
+// partial: [kThreads / 32][K] floats of dynamic shared memory when parts > 1, to add the dot
+// products of a token's warps in a fixed order.
 template <typename C, typename X, int V>
-__global__ void __launch_bounds__(kThreads, 3) token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
-  // 8 rows of 16-byte vectors in flight would spill under the 3-blocks register cap: 4 then.
-  constexpr int kGroup = V * sizeof(X) >= 16 && V >= 8 ? 4 : kBwdGroup;
-  __shared__ int32_t row_of[kGroup];
-  __shared__ bool owns[kGroup];
-  __shared__ float weight[kGroup];
-  __shared__ float sums[kThreads / 32][kGroup];
-  const int64_t H = a.hidden_size, K = a.topk;
+__global__ void __launch_bounds__(kThreads, 2)
+    token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner, int parts) {
+  extern __shared__ float partial[];
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.batch * a.tokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t g = blockIdx.x; g < a.batch * a.tokens; g += gridDim.x) {
-    const int64_t b = g / a.tokens, t = g - b * a.tokens;
-    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
-    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
-    X* dx = static_cast<X*>(a.out_x) + b * a.rows * H;
-    for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
-      if (threadIdx.x < kGroup) {
-        const int64_t k = k0 + threadIdx.x, j = t * K + k;
-        int32_t r = k < K ? a.row_map[b * a.rm_bstride + j] : -1;
-        if (r >= a.rows) r = -1;
-        row_of[threadIdx.x] = r < 0 ? -1 : r;
-        owns[threadIdx.x] = r >= 0 && owner[b * a.rows + r] == j;
-        weight[threadIdx.x] = k < K ? weight_at(a.weights, a.w_dtype, b * a.w_bstride + j) : 0.0f;
-      }
-      __syncthreads();
-      int32_t r[kGroup];
-      float dot[kGroup];
+  const int per_round = kBwdMaxParts / parts, slot = warp / parts, part = warp % parts;
+  for (int64_t g0 = blockIdx.x * int64_t{per_round}; g0 < n; g0 += int64_t(gridDim.x) * per_round) {
+    const int64_t g = g0 + slot;  // this warp's token; the block's round ends with a barrier
+    if (g < n) {
+      const int64_t b = g / a.tokens;
+      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (g - b * a.tokens) * H;
+      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+      X* dx = static_cast<X*>(a.out_x) + b * R * H;
+      for (int64_t k0 = 0; k0 < K; k0 += kBwdGroup) {
+        int32_t my_row = -1;
+        float my_weight = 0.0f;
+        if (lane < kBwdGroup && k0 + lane < K) {
+          const int64_t j = (g - b * a.tokens) * K + k0 + lane;
+          my_row = a.row_map[b * a.rm_bstride + j];
+          if (my_row >= R) my_row = -1;
+          my_weight = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+        }
+        const uint32_t owned = __ballot_sync(
+            0xffffffffu, my_row >= 0 && owner[b * R + my_row] == (g - b * a.tokens) * K + k0 + lane);
+        int32_t r[kBwdGroup];
+        float dot[kBwdGroup];
 #pragma unroll
-      for (int e = 0; e < kGroup; ++e) {
-        r[e] = row_of[e];
-        dot[e] = 0.0f;
-      }
-      for (int64_t h = threadIdx.x * int64_t{V}; h < H; h += int64_t{kThreads} * V) {
-        float c[V];
-        load_f32<C, V>(ct + h, c);
-        Vec<X, V> raw[kGroup];
+        for (int e = 0; e < kBwdGroup; ++e) {
+          r[e] = __shfl_sync(0xffffffffu, my_row < 0 ? -1 : my_row, e);
+          dot[e] = 0.0f;
+        }
+        for (int64_t h = (int64_t{part} * 32 + lane) * V; h < H; h += int64_t{parts} * 32 * V) {
+          float c[V];
+          load_f32<C, V>(ct + h, c);
+          Vec<X, V> raw[kBwdGroup];
 #pragma unroll
-        for (int e = 0; e < kGroup; ++e)
-          if (r[e] >= 0) raw[e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
+          for (int e = 0; e < kBwdGroup; ++e)
+            if (r[e] >= 0) raw[e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
 #pragma unroll
-        for (int e = 0; e < kGroup; ++e) {
-          if (r[e] < 0) continue;
-          float scaled[V];
+          for (int e = 0; e < kBwdGroup; ++e) {
+            if (r[e] < 0) continue;
+            const float w = __shfl_sync(0xffffffffu, my_weight, e);
+            float scaled[V];
 #pragma unroll
-          for (int i = 0; i < V; ++i) {
-            dot[e] += c[i] * to_f32(raw[e].v[i]);
-            scaled[i] = weight[e] * c[i];
+            for (int i = 0; i < V; ++i) {
+              dot[e] += c[i] * to_f32(raw[e].v[i]);
+              scaled[i] = w * c[i];
+            }
+            if (owned >> e & 1) store_f32<X, V>(dx + r[e] * H + h, scaled);
           }
-          if (owns[e]) store_f32<X, V>(dx + r[e] * H + h, scaled);
+        }
+#pragma unroll
+        for (int e = 0; e < kBwdGroup; ++e)
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2) dot[e] += __shfl_xor_sync(0xffffffffu, dot[e], offset);
+        // Every lane holds the sums now; lane e keeps entry k0 + e's (a row out of range adds 0).
+        float mine = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kBwdGroup; ++e)
+          if (lane == e) mine = dot[e];
+        if (lane < kBwdGroup && k0 + lane < K) {
+          if (parts == 1) store_weight(a.out_w, a.out_w_dtype, g * K + k0 + lane, mine);
+          else partial[warp * K + k0 + lane] = mine;
         }
       }
-#pragma unroll
-      for (int e = 0; e < kGroup; ++e) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) dot[e] += __shfl_down_sync(0xffffffffu, dot[e], offset);
-        if (lane == 0) sums[warp][e] = dot[e];
-      }
+    }
+    if (parts > 1) {
       __syncthreads();
-      if (threadIdx.x < kGroup && k0 + threadIdx.x < K) {
+      for (int i = threadIdx.x; i < per_round * K; i += kThreads) {
+        const int s = i / K, k = i - s * K;
+        if (g0 + s >= n) continue;
         float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) total += sums[w][threadIdx.x];
-        store_weight(a.out_w, a.out_w_dtype, b * a.tokens * K + t * K + k0 + threadIdx.x,
-                     row_of[threadIdx.x] >= 0 ? total : 0.0f);
+        for (int p = 0; p < parts; ++p) total += partial[(s * parts + p) * K + k];
+        store_weight(a.out_w, a.out_w_dtype, (g0 + s) * K + k, total);
       }
-      __syncthreads();  // row_of, owns, weight and sums serve the next group
+      __syncthreads();  // partial serves the next round
     }
   }
 }
@@ -1025,8 +1035,19 @@ __global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* 
 
 template <typename C, typename X, int V>
 cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
-  if (a.batch * a.tokens > 0) {
-    token_cotangents_kernel<C, X, V><<<blocks_for(a.batch * a.tokens, 1), kThreads, 0, stream>>>(a, owner);
+  const int64_t n = a.batch * a.tokens;
+  if (n > 0) {
+    // One warp per token once the tokens alone give every multiprocessor ~24 warps; else more
+    // warps per token, as many as the row has 32-vector chunks, up to a block.
+    const int64_t chunks = (a.hidden_size + 32 * V - 1) / (32 * V);
+    const size_t partial_bytes = sizeof(float) * kBwdMaxParts * a.topk;
+    int parts = 1;
+    while (parts < kBwdMaxParts && 2 * parts <= chunks && n * parts < 24 * multiprocessors() &&
+           partial_bytes <= 48 * 1024)
+      parts *= 2;
+    const int per_round = kBwdMaxParts / parts;
+    token_cotangents_kernel<C, X, V><<<blocks_for(n, per_round), kThreads, parts > 1 ? partial_bytes : 0, stream>>>(
+        a, owner, parts);
     MOE_CHECK_LAUNCH();
   }
   if (a.hidden_size > 0)
@@ -1244,7 +1265,6 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
   });
   return result;
 }
-
 
 int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {
   return pad256(4 * std::max<int64_t>(1, batch * rows));
