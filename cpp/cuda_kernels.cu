@@ -892,7 +892,6 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
 //    when a warp holds the whole token. 4. A warp per 32 rows zeroes the rows nothing maps to
 //    and sums the rows of several entries in ascending entry order, one pass over the row map
 //    per such row (permute never makes them; a user's row map may).
-constexpr int kBwdGroup = 8;  // entries of a token whose rows a lane reads at once (at most)
 constexpr int kBwdMaxParts = kThreads / 32;
 
 __global__ void fill_kernel(int32_t* p, int64_t n, int32_t value) {
@@ -911,70 +910,82 @@ __global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
   }
 }
 
-// partial: [kThreads / 32][K] floats of dynamic shared memory when parts > 1, to add the dot
-// products of a token's warps in a fixed order.
-template <typename C, typename X, int V>
+// A lane holds kUnroll vectors of the cotangent row and kGroup entries' vectors of their rows
+// in flight: (8, 1) for K > 2, (2, 4) for K <= 2. The h loop is warp-uniform (lanes past H
+// idle in it) because it shuffles. partial: [kThreads / 32][K] floats of dynamic shared memory
+// when parts > 1, to add the dot products of a token's warps in a fixed order.
+template <typename C, typename X, int V, int kGroup, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 2)
     token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner, int parts) {
   extern __shared__ float partial[];
+  constexpr int64_t kStep = 32 * V;  // values a warp covers with one vector per lane
   const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.batch * a.tokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_round = kBwdMaxParts / parts, slot = warp / parts, part = warp % parts;
   for (int64_t g0 = blockIdx.x * int64_t{per_round}; g0 < n; g0 += int64_t(gridDim.x) * per_round) {
     const int64_t g = g0 + slot;  // this warp's token; the block's round ends with a barrier
     if (g < n) {
-      const int64_t b = g / a.tokens;
-      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (g - b * a.tokens) * H;
+      const int64_t b = g / a.tokens, t = g - b * a.tokens;
+      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
       const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
       X* dx = static_cast<X*>(a.out_x) + b * R * H;
-      for (int64_t k0 = 0; k0 < K; k0 += kBwdGroup) {
+      for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+        const int64_t j = t * K + k0 + lane;  // lane e < kGroup reads entry k0 + e
         int32_t my_row = -1;
         float my_weight = 0.0f;
-        if (lane < kBwdGroup && k0 + lane < K) {
-          const int64_t j = (g - b * a.tokens) * K + k0 + lane;
+        if (lane < kGroup && k0 + lane < K) {
           my_row = a.row_map[b * a.rm_bstride + j];
           if (my_row >= R) my_row = -1;
           my_weight = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
         }
-        const uint32_t owned = __ballot_sync(
-            0xffffffffu, my_row >= 0 && owner[b * R + my_row] == (g - b * a.tokens) * K + k0 + lane);
-        int32_t r[kBwdGroup];
-        float dot[kBwdGroup];
+        const uint32_t owned = __ballot_sync(0xffffffffu, my_row >= 0 && owner[b * R + my_row] == j);
+        int32_t r[kGroup];
+        float dot[kGroup];
 #pragma unroll
-        for (int e = 0; e < kBwdGroup; ++e) {
-          r[e] = __shfl_sync(0xffffffffu, my_row < 0 ? -1 : my_row, e);
+        for (int e = 0; e < kGroup; ++e) {
+          r[e] = __shfl_sync(0xffffffffu, my_row, e);
           dot[e] = 0.0f;
         }
-        for (int64_t h = (int64_t{part} * 32 + lane) * V; h < H; h += int64_t{parts} * 32 * V) {
-          float c[V];
-          load_f32<C, V>(ct + h, c);
-          Vec<X, V> raw[kBwdGroup];
+        for (int64_t base = part * kStep * kUnroll; base < H; base += parts * kStep * kUnroll) {
+          Vec<C, V> c[kUnroll];
+          Vec<X, V> raw[kUnroll][kGroup];
 #pragma unroll
-          for (int e = 0; e < kBwdGroup; ++e)
-            if (r[e] >= 0) raw[e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t h = base + u * kStep + lane * V;
+            if (h >= H) continue;
+            c[u] = *reinterpret_cast<const Vec<C, V>*>(ct + h);
 #pragma unroll
-          for (int e = 0; e < kBwdGroup; ++e) {
-            if (r[e] < 0) continue;
+            for (int e = 0; e < kGroup; ++e)
+              if (r[e] >= 0) raw[u][e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
+          }
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e) {
             const float w = __shfl_sync(0xffffffffu, my_weight, e);
-            float scaled[V];
 #pragma unroll
-            for (int i = 0; i < V; ++i) {
-              dot[e] += c[i] * to_f32(raw[e].v[i]);
-              scaled[i] = w * c[i];
+            for (int u = 0; u < kUnroll; ++u) {
+              const int64_t h = base + u * kStep + lane * V;
+              if (h >= H || r[e] < 0) continue;
+              float scaled[V];
+#pragma unroll
+              for (int i = 0; i < V; ++i) {
+                const float cf = to_f32(c[u].v[i]);
+                dot[e] += cf * to_f32(raw[u][e].v[i]);
+                scaled[i] = w * cf;
+              }
+              if (owned >> e & 1) store_f32<X, V>(dx + r[e] * H + h, scaled);
             }
-            if (owned >> e & 1) store_f32<X, V>(dx + r[e] * H + h, scaled);
           }
         }
 #pragma unroll
-        for (int e = 0; e < kBwdGroup; ++e)
+        for (int e = 0; e < kGroup; ++e)
 #pragma unroll
           for (int offset = 16; offset > 0; offset /= 2) dot[e] += __shfl_xor_sync(0xffffffffu, dot[e], offset);
         // Every lane holds the sums now; lane e keeps entry k0 + e's (a row out of range adds 0).
         float mine = 0.0f;
 #pragma unroll
-        for (int e = 0; e < kBwdGroup; ++e)
+        for (int e = 0; e < kGroup; ++e)
           if (lane == e) mine = dot[e];
-        if (lane < kBwdGroup && k0 + lane < K) {
+        if (lane < kGroup && k0 + lane < K) {
           if (parts == 1) store_weight(a.out_w, a.out_w_dtype, g * K + k0 + lane, mine);
           else partial[warp * K + k0 + lane] = mine;
         }
@@ -1033,22 +1044,27 @@ __global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* 
   }
 }
 
+template <typename C, typename X, int V, int kGroup, int kUnroll>
+cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+  // One warp per token once the tokens alone give every multiprocessor ~24 warps; else more
+  // warps per token, as many as the row has warp-wide chunks, up to a block.
+  const int64_t n = a.batch * a.tokens, chunks = (a.hidden_size + 32 * V * kUnroll - 1) / (32 * V * kUnroll);
+  const size_t partial_bytes = sizeof(float) * kBwdMaxParts * a.topk;
+  int parts = 1;
+  while (parts < kBwdMaxParts && 2 * parts <= chunks && n * parts < 24 * multiprocessors() &&
+         partial_bytes <= 48 * 1024)
+    parts *= 2;
+  token_cotangents_kernel<C, X, V, kGroup, kUnroll>
+      <<<blocks_for(n, kBwdMaxParts / parts), kThreads, parts > 1 ? partial_bytes : 0, stream>>>(a, owner, parts);
+  return cudaGetLastError();
+}
+
 template <typename C, typename X, int V>
 cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
-  const int64_t n = a.batch * a.tokens;
-  if (n > 0) {
-    // One warp per token once the tokens alone give every multiprocessor ~24 warps; else more
-    // warps per token, as many as the row has 32-vector chunks, up to a block.
-    const int64_t chunks = (a.hidden_size + 32 * V - 1) / (32 * V);
-    const size_t partial_bytes = sizeof(float) * kBwdMaxParts * a.topk;
-    int parts = 1;
-    while (parts < kBwdMaxParts && 2 * parts <= chunks && n * parts < 24 * multiprocessors() &&
-           partial_bytes <= 48 * 1024)
-      parts *= 2;
-    const int per_round = kBwdMaxParts / parts;
-    token_cotangents_kernel<C, X, V><<<blocks_for(n, per_round), kThreads, parts > 1 ? partial_bytes : 0, stream>>>(
-        a, owner, parts);
-    MOE_CHECK_LAUNCH();
+  if (a.batch * a.tokens > 0) {
+    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 4>(a, owner, stream)
+                                        : launch_token_cotangents<C, X, V, 8, 1>(a, owner, stream);
+    if (err != cudaSuccess) return err;
   }
   if (a.hidden_size > 0)
     shared_and_empty_rows_kernel<C, X, V>
