@@ -1062,7 +1062,7 @@ cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, const int32_t* ow
 template <typename C, typename X, int V>
 cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
   if (a.batch * a.tokens > 0) {
-    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 4>(a, owner, stream)
+    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 2>(a, owner, stream)
                                         : launch_token_cotangents<C, X, V, 8, 1>(a, owner, stream);
     if (err != cudaSuccess) return err;
   }
