@@ -99,6 +99,16 @@ __device__ __forceinline__ float weight_at(const void* w, Dtype d, int64_t i) {
   }
 }
 
+// Writes a weight (or weight cotangent) of dtype d: float32, bfloat16 or float16.
+__device__ __forceinline__ void store_weight(void* out, Dtype d, int64_t i, float value) {
+  float v[1] = {value};
+  switch (d) {
+    case Dtype::kBF16: return store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(out) + i, v);
+    case Dtype::kF16: return store_f32<__half, 1>(static_cast<__half*>(out) + i, v);
+    default: return store_f32<float, 1>(static_cast<float*>(out) + i, v);
+  }
+}
+
 __device__ __forceinline__ int64_t lower_bound(const uint32_t* keys, int64_t n, uint64_t key) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
@@ -220,28 +230,24 @@ __global__ void expert_keys_kernel(const int32_t* ids, int64_t ids_bstride, cons
 __global__ void expert_layout_kernel(const uint32_t* sorted_keys, int64_t total, int32_t num_local,
                                      int64_t align, int32_t* seg, int32_t* starts, int32_t* counts,
                                      int32_t* group_sizes) {
-  using Scan = cub::BlockScan<int64_t, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int64_t carry;
+  __shared__ int64_t sums[33];
   const int64_t b = blockIdx.x, L = num_local;
   int32_t* my_seg = seg + b * (L + 2);
   for (int64_t e = threadIdx.x; e <= L + 1; e += blockDim.x)
     my_seg[e] = static_cast<int32_t>(lower_bound(sorted_keys, total, uint64_t(b * (L + 1) + e)));
-  if (threadIdx.x == 0) carry = 0;
   __syncthreads();
+  int64_t carry = 0;
   for (int64_t e0 = 0; e0 < L; e0 += blockDim.x) {
     const int64_t e = e0 + threadIdx.x;
     const int64_t padded = e < L ? round_up(my_seg[e + 1] - my_seg[e], align) : 0;
-    int64_t offset, chunk_total;
-    Scan(scan_storage).ExclusiveSum(padded, offset, chunk_total);
+    int64_t chunk_total;
+    const int64_t offset = block_exclusive_sum(padded, sums, &chunk_total) + carry;
     if (e < L) {
-      starts[b * (L + 1) + e] = static_cast<int32_t>(carry + offset);
+      starts[b * (L + 1) + e] = static_cast<int32_t>(offset);
       counts[b * L + e] = my_seg[e + 1] - my_seg[e];
       group_sizes[b * L + e] = static_cast<int32_t>(padded);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) carry += chunk_total;
-    __syncthreads();
+    carry += chunk_total;
   }
   if (threadIdx.x == 0) starts[b * (L + 1) + L] = static_cast<int32_t>(carry);
 }
@@ -381,7 +387,6 @@ __device__ void rank_by_expert(const PermuteArgs& a, const int32_t* ids, const i
 // Tiles hold 256 to 2048 entries: small tiles keep the ranking short (a chain of kItems
 // chunks per warp), large ones keep step 2 short (tiles * L counts to scan).
 constexpr int kOffsetThreads = 1024;  // >= one thread per local expert (L <= kMaxRankedLocal)
-
 
 // Entries per thread of a tile: the fewest that keep the tile counts to kMaxShare per thread
 // of the offsets block.
@@ -874,15 +879,197 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
         for (int w = 1; w < kGroup / 32; ++w) partial += warp_sums[w];
       __syncthreads();  // warp_sums is reused by the next entry
     }
-    if (lane == 0 && g < entries) {
-      float d[1] = {partial};
-      switch (a.out_dtype) {
-        case Dtype::kBF16: store_f32<__nv_bfloat16, 1>(static_cast<__nv_bfloat16*>(a.out) + g, d); break;
-        case Dtype::kF16: store_f32<__half, 1>(static_cast<__half*>(a.out) + g, d); break;
-        default: store_f32<float, 1>(static_cast<float*>(a.out) + g, d);
+    if (lane == 0 && g < entries) store_weight(a.out, a.out_dtype, g, partial);
+  }
+}
+
+// ---- unpermute's backward, fused ------------------------------------------------------------
+// 1. owner[b, r] = -1. 2. Each entry claims its row: owner = the entry, or -2 once a second
+//    entry claims it (atomics only tell "one entry" from "several", so results stay
+//    deterministic). 3. `parts` warps per token (one on large grids, up to a block's 8 on small
+//    ones) read its cotangent row once for both cotangents: the dot products with its K expert
+//    rows (the weights' cotangent) and w * ct into each row its entry owns alone. No barrier
+//    when a warp holds the whole token. 4. A warp per 32 rows zeroes the rows nothing maps to
+//    and sums the rows of several entries in ascending entry order, one pass over the row map
+//    per such row (permute never makes them; a user's row map may).
+constexpr int kBwdMaxParts = kThreads / 32;
+
+__global__ void fill_kernel(int32_t* p, int64_t n, int32_t value) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+__global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
+  const int64_t n = a.tokens * a.topk;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < a.batch * n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / n, j = i - b * n, r = a.row_map[b * a.rm_bstride + j];
+    if (r < 0 || r >= a.rows) continue;
+    int32_t* o = owner + b * a.rows + r;
+    if (atomicCAS(o, -1, static_cast<int32_t>(j)) != -1) atomicExch(o, -2);
+  }
+}
+
+// A lane holds kUnroll vectors of the cotangent row and kGroup entries' vectors of their rows
+// in flight: (8, 1) for K > 2, (2, 4) for K <= 2. The h loop is warp-uniform (lanes past H
+// idle in it) because it shuffles. partial: [kThreads / 32][K] floats of dynamic shared memory
+// when parts > 1, to add the dot products of a token's warps in a fixed order.
+template <typename C, typename X, int V, int kGroup, int kUnroll>
+__global__ void __launch_bounds__(kThreads, 2)
+    token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner, int parts) {
+  extern __shared__ float partial[];
+  constexpr int64_t kStep = 32 * V;  // values a warp covers with one vector per lane
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.batch * a.tokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_round = kBwdMaxParts / parts, slot = warp / parts, part = warp % parts;
+  for (int64_t g0 = blockIdx.x * int64_t{per_round}; g0 < n; g0 += int64_t(gridDim.x) * per_round) {
+    const int64_t g = g0 + slot;  // this warp's token; the block's round ends with a barrier
+    if (g < n) {
+      const int64_t b = g / a.tokens, t = g - b * a.tokens;
+      const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + t * H;
+      const X* x = static_cast<const X*>(a.x) + b * a.x_bstride;
+      X* dx = static_cast<X*>(a.out_x) + b * R * H;
+      for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+        const int64_t j = t * K + k0 + lane;  // lane e < kGroup reads entry k0 + e
+        int32_t my_row = -1;
+        float my_weight = 0.0f;
+        if (lane < kGroup && k0 + lane < K) {
+          my_row = a.row_map[b * a.rm_bstride + j];
+          if (my_row >= R) my_row = -1;
+          my_weight = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+        }
+        const uint32_t owned = __ballot_sync(0xffffffffu, my_row >= 0 && owner[b * R + my_row] == j);
+        int32_t r[kGroup];
+        float dot[kGroup];
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) {
+          r[e] = __shfl_sync(0xffffffffu, my_row, e);
+          dot[e] = 0.0f;
+        }
+        for (int64_t base = part * kStep * kUnroll; base < H; base += parts * kStep * kUnroll) {
+          Vec<C, V> c[kUnroll];
+          Vec<X, V> raw[kUnroll][kGroup];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t h = base + u * kStep + lane * V;
+            if (h >= H) continue;
+            c[u] = *reinterpret_cast<const Vec<C, V>*>(ct + h);
+#pragma unroll
+            for (int e = 0; e < kGroup; ++e)
+              if (r[e] >= 0) raw[u][e] = *reinterpret_cast<const Vec<X, V>*>(x + r[e] * H + h);
+          }
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e) {
+            const float w = __shfl_sync(0xffffffffu, my_weight, e);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int64_t h = base + u * kStep + lane * V;
+              if (h >= H || r[e] < 0) continue;
+              float scaled[V];
+#pragma unroll
+              for (int i = 0; i < V; ++i) {
+                const float cf = to_f32(c[u].v[i]);
+                dot[e] += cf * to_f32(raw[u][e].v[i]);
+                scaled[i] = w * cf;
+              }
+              if (owned >> e & 1) store_f32<X, V>(dx + r[e] * H + h, scaled);
+            }
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e)
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2) dot[e] += __shfl_xor_sync(0xffffffffu, dot[e], offset);
+        // Every lane holds the sums now; lane e keeps entry k0 + e's (a row out of range adds 0).
+        float mine = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e)
+          if (lane == e) mine = dot[e];
+        if (lane < kGroup && k0 + lane < K) {
+          if (parts == 1) store_weight(a.out_w, a.out_w_dtype, g * K + k0 + lane, mine);
+          else partial[warp * K + k0 + lane] = mine;
+        }
+      }
+    }
+    if (parts > 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < per_round * K; i += kThreads) {
+        const int s = i / K, k = i - s * K;
+        if (g0 + s >= n) continue;
+        float total = 0.0f;
+        for (int p = 0; p < parts; ++p) total += partial[(s * parts + p) * K + k];
+        store_weight(a.out_w, a.out_w_dtype, (g0 + s) * K + k, total);
+      }
+      __syncthreads();  // partial serves the next round
+    }
+  }
+}
+
+template <typename C, typename X, int V>
+__global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
+  const int64_t H = a.hidden_size, K = a.topk, n = a.tokens * K, R = a.rows, per_example = (R + 31) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; q < a.batch * per_example; q += warps) {
+    const int64_t b = q / per_example, r0 = (q - b * per_example) * 32, r = r0 + lane;
+    const int32_t o = r < R ? owner[b * R + r] : 0;
+    uint32_t todo = __ballot_sync(0xffffffffu, r < R && o < 0);
+    while (todo) {
+      const int src = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const int64_t row = r0 + src;
+      const bool several = __shfl_sync(0xffffffffu, o, src) == -2;
+      X* out = static_cast<X*>(a.out_x) + (b * R + row) * H;
+      for (int64_t base = 0; base < H; base += 32 * int64_t{V}) {
+        const int64_t h = base + lane * int64_t{V};
+        float acc[V] = {};
+        for (int64_t j0 = 0; several && j0 < n; j0 += 32) {
+          const int64_t j = j0 + lane;
+          uint32_t hits = __ballot_sync(0xffffffffu, j < n && a.row_map[b * a.rm_bstride + j] == row);
+          while (hits) {
+            const int64_t e = j0 + __ffs(hits) - 1;  // ascending entry order
+            hits &= hits - 1;
+            const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + e);
+            if (h < H) {
+              float c[V];
+              load_f32<C, V>(static_cast<const C*>(a.ct) + b * a.ct_bstride + (e / K) * H + h, c);
+#pragma unroll
+              for (int i = 0; i < V; ++i) acc[i] += w * c[i];
+            }
+          }
+        }
+        if (h < H) store_f32<X, V>(out + h, acc);
       }
     }
   }
+}
+
+template <typename C, typename X, int V, int kGroup, int kUnroll>
+cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+  // One warp per token once the tokens alone give every multiprocessor ~24 warps; else more
+  // warps per token, as many as the row has warp-wide chunks, up to a block.
+  const int64_t n = a.batch * a.tokens, chunks = (a.hidden_size + 32 * V * kUnroll - 1) / (32 * V * kUnroll);
+  const size_t partial_bytes = sizeof(float) * kBwdMaxParts * a.topk;
+  int parts = 1;
+  while (parts < kBwdMaxParts && 2 * parts <= chunks && n * parts < 24 * multiprocessors() &&
+         partial_bytes <= 48 * 1024)
+    parts *= 2;
+  token_cotangents_kernel<C, X, V, kGroup, kUnroll>
+      <<<blocks_for(n, kBwdMaxParts / parts), kThreads, parts > 1 ? partial_bytes : 0, stream>>>(a, owner, parts);
+  return cudaGetLastError();
+}
+
+template <typename C, typename X, int V>
+cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+  if (a.batch * a.tokens > 0) {
+    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 2>(a, owner, stream)
+                                        : launch_token_cotangents<C, X, V, 8, 1>(a, owner, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (a.hidden_size > 0)
+    shared_and_empty_rows_kernel<C, X, V>
+        <<<blocks_for(a.batch * ((a.rows + 31) / 32), kThreads / 32), kThreads, 0, stream>>>(a, owner);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -1090,6 +1277,40 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream) {
       const int64_t per_block = warps ? kThreads / 32 : 1;
       kernel<<<blocks_for(entries, per_block), kThreads, 0, stream>>>(a);
       result = cudaGetLastError();
+    });
+  });
+  return result;
+}
+
+int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {
+  return pad256(4 * std::max<int64_t>(1, batch * rows));
+}
+
+cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream) {
+  const int64_t n = a.tokens * a.topk, R = a.rows;
+  // float8 inputs take scatter + weight_grad (the lowering chooses); the expert rows' cotangent
+  // comes in expert_out's dtype.
+  auto wide = [](Dtype d) { return d == Dtype::kF32 || d == Dtype::kBF16 || d == Dtype::kF16; };
+  if (!wide(a.ct_dtype) || !wide(a.x_dtype) || a.out_x_dtype != a.x_dtype) return cudaErrorInvalidValue;
+  if (a.batch == 0) return cudaSuccess;
+  int32_t* owner = static_cast<int32_t*>(a.workspace);
+  if (a.batch * R > 0) {
+    fill_kernel<<<blocks_for(a.batch * R), kThreads, 0, stream>>>(owner, a.batch * R, -1);
+    MOE_CHECK_LAUNCH();
+    if (n > 0) {
+      claim_rows_kernel<<<blocks_for(a.batch * n), kThreads, 0, stream>>>(a, owner);
+      MOE_CHECK_LAUNCH();
+    }
+  }
+  cudaError_t result = cudaSuccess;
+  visit_output(a.ct_dtype, [&](auto ctag) {
+    using C = typename decltype(ctag)::type;
+    visit_output(a.x_dtype, [&](auto xtag) {
+      using X = typename decltype(xtag)::type;
+      constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x) && aligned16(a.out_x);
+      result = vec ? launch_unpermute_bwd<C, X, kVec>(a, owner, stream)
+                   : launch_unpermute_bwd<C, X, 1>(a, owner, stream);
     });
   });
   return result;

@@ -20,4 +20,8 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream);
 cudaError_t scatter(const ScatterArgs& a, cudaStream_t stream);
 cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream);
 
+// unpermute's two cotangents from one read of each cotangent row. Workspace: a row-owner map.
+int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows);
+cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream);
+
 }  // namespace moe::cuda

@@ -64,6 +64,17 @@ ffi::Error WeightGradCuda(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer
   return cuda_error(cuda::weight_grad(a, stream), "weight_grad");
 }
 
+ffi::Error UnpermuteBwdCuda(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
+                            ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> out_x,
+                            ffi::Result<ffi::AnyBuffer> out_w, ffi::Result<ffi::AnyBuffer> workspace) {
+  UnpermuteBwdArgs a;
+  if (auto err = decode_unpermute_bwd(ct, x, row_map, weights, *out_x, *out_w, *workspace, &a); !err.success())
+    return err;
+  if (a.workspace_bytes < cuda::unpermute_bwd_workspace_bytes(a.batch, a.rows))
+    return invalid("unpermute_bwd: workspace too small");
+  return cuda_error(cuda::unpermute_bwd(a, stream), "unpermute_bwd");
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -76,4 +87,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCuda, moe::UnpermuteCuda, MOE_CUDA_BIN
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeScatterCuda, moe::ScatterCuda, MOE_CUDA_BINDING(moe::bind_scatter),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGradCuda, moe::WeightGradCuda, MOE_CUDA_BINDING(moe::bind_weight_grad),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteBwdCuda, moe::UnpermuteBwdCuda, MOE_CUDA_BINDING(moe::bind_unpermute_bwd),
                               {xla::ffi::Traits::kCmdBufferCompatible});

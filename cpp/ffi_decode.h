@@ -134,6 +134,32 @@ inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buf
   return ffi::Error::Success();
 }
 
+inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                       ffi::AnyBuffer out_x, ffi::AnyBuffer out_w, ffi::AnyBuffer workspace,
+                                       UnpermuteBwdArgs* a) {
+  if (ct.dimensions().size() != 3 || x.dimensions().size() != 3 || row_map.dimensions().size() != 3 ||
+      weights.dimensions().size() != 3 || out_x.dimensions().size() != 3 || out_w.dimensions().size() != 3)
+    return invalid("unpermute_bwd expects ct [B,T,H], expert_out [B,R,H], row_map and weights [B,T,K]");
+  const int64_t batch = out_x.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
+  const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
+  auto cd = float_dtype(ct.element_type()), xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
+       oxd = float_dtype(out_x.element_type()), owd = float_dtype(out_w.element_type());
+  if (!cd || !xd || !wd || !oxd || !owd) return invalid("unpermute_bwd: unsupported dtype");
+  if (ct.dimensions()[1] != T || ct.dimensions()[2] != H || out_x.dimensions()[1] != R ||
+      out_x.dimensions()[2] != H || out_w.dimensions()[0] != batch || out_w.dimensions()[1] != T ||
+      out_w.dimensions()[2] != K)
+    return invalid("unpermute_bwd: bad shapes");
+  MOE_STRIDE(ct_stride, ct, T * H);
+  MOE_STRIDE(x_stride, x, R * H);
+  MOE_STRIDE(rm_stride, row_map, T * K);
+  MOE_STRIDE(w_stride, weights, T * K);
+  *a = UnpermuteBwdArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
+                        row_map.typed_data(), rm_stride, weights.untyped_data(), *wd, w_stride,
+                        batch, T, K, H, out_x.untyped_data(), *oxd, out_w.untyped_data(), *owd,
+                        workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  return ffi::Error::Success();
+}
+
 #undef MOE_STRIDE
 
 // The argument lists of the four handlers, after any platform context.
@@ -181,6 +207,18 @@ auto bind_weight_grad(B b) {
       .template Arg<ffi::AnyBuffer>()  // expert_out
       .template Arg<I32Buffer>()       // row_map
       .template Ret<ffi::AnyBuffer>();
+}
+
+template <typename B>
+auto bind_unpermute_bwd(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()   // cotangent of the unpermuted output
+      .template Arg<ffi::AnyBuffer>()   // expert_out
+      .template Arg<I32Buffer>()        // row_map
+      .template Arg<ffi::AnyBuffer>()   // weights
+      .template Ret<ffi::AnyBuffer>()   // cotangent of expert_out
+      .template Ret<ffi::AnyBuffer>()   // cotangent of the weights
+      .template Ret<ffi::AnyBuffer>();  // workspace
 }
 
 }  // namespace moe

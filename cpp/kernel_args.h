@@ -58,4 +58,17 @@ struct WeightGradArgs {
   void* out; Dtype out_dtype;
 };
 
+// Both cotangents of unpermute in one pass: out_x[b,r] = sum over (t,k) with row_map[b,t,k] == r
+// of w[b,t,k] * ct[b,t] (a scatter; rows nothing maps to are zero) and out_w[b,t,k] =
+// <ct[b,t], x[b, row_map[b,t,k]]> (0 for invalid rows), both in float32.
+struct UnpermuteBwdArgs {
+  const void* ct; Dtype ct_dtype; int64_t ct_bstride;
+  const void* x; Dtype x_dtype; int64_t x_bstride; int64_t rows;
+  const int32_t* row_map; int64_t rm_bstride;
+  const void* weights; Dtype w_dtype; int64_t w_bstride;
+  int64_t batch, tokens, topk, hidden_size;
+  void* out_x; Dtype out_x_dtype; void* out_w; Dtype out_w_dtype;
+  void* workspace; int64_t workspace_bytes;
+};
+
 }  // namespace moe

@@ -32,10 +32,14 @@ NB_MODULE(_cuda, m) {
     d["unpermute"] = capsule(MoeUnpermuteCuda);
     d["scatter"] = capsule(MoeScatterCuda);
     d["weight_grad"] = capsule(MoeWeightGradCuda);
+    d["unpermute_bwd"] = capsule(MoeUnpermuteBwdCuda);
     return d;
   });
   m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {
     return workspace_bytes(moe::cuda::permute_workspace_bytes, batch, entries, num_local);
+  });
+  m.def("unpermute_bwd_workspace_bytes", [](int64_t batch, int64_t /*entries*/, int64_t rows) {
+    return moe::cuda::unpermute_bwd_workspace_bytes(batch, rows);
   });
   m.def("scatter_workspace_bytes", [](int64_t batch, int64_t entries, int64_t rows) {
     return workspace_bytes(moe::cuda::scatter_workspace_bytes, batch, entries, rows);

@@ -52,6 +52,11 @@ def platforms() -> list[str]:
     return [p for p, m in _MODULES.items() if m is not None]
 
 
+def has_target(platform: str, op: str) -> bool:
+    module = _MODULES.get(platform)
+    return module is not None and op in module.registrations()
+
+
 def target(op: str) -> str:
     return TARGET_PREFIX + op
 

@@ -5,6 +5,12 @@ XLA FFI targets, batching rules and autodiff rules.
   unpermute    (x, row_map, weights) -> out[t] = sum_k w[t,k] x[row_map[t,k]]
   scatter      (x, row_map, weights) -> out[r] = sum_{row_map[t,k]=r} w[t,k] x[t]
   weight_grad  (c, x, row_map)       -> dw[t,k] = <c[t], x[row_map[t,k]]>
+  unpermute_tangent (dx, dw, x, row_map, w) -> unpermute(dx, w) + unpermute(x, dw)
+  unpermute_bwd     (c, x, row_map, w)      -> (scatter(c, w), weight_grad(c, x)) in one pass
+
+unpermute_tangent is unpermute's JVP when both expert rows and weights vary: one linear
+primitive, so that its transpose yields both cotangents at once (unpermute_bwd: on CUDA one
+kernel reads each cotangent row once for both; elsewhere scatter + weight_grad).
 
 unpermute and scatter are each other's transpose, weight_grad is their transpose with
 respect to the weights, and permute's data movement is an unweighted scatter: the set is
@@ -97,6 +103,18 @@ def _weight_grad_abstract(c, x, row_map, *, out_dtype):
     return core.ShapedArray((B,) + row_map.shape[1:], out_dtype)
 
 
+def _unpermute_tangent_abstract(dx, dw, x, row_map, weights, *, out_dtype):
+    _check_weights(weights, row_map, 1, "moe_unpermute")
+    B = _batch(dx, dw, x, row_map, weights)
+    return core.ShapedArray((B, row_map.shape[1], x.shape[2]), out_dtype)
+
+
+def _unpermute_bwd_abstract(c, x, row_map, weights, *, x_out_dtype, w_out_dtype):
+    _check_weights(weights, row_map, 1, "moe_unpermute_bwd")
+    B = _batch(c, x, row_map, weights)
+    return (core.ShapedArray((B,) + x.shape[1:], x_out_dtype), core.ShapedArray((B,) + row_map.shape[1:], w_out_dtype))
+
+
 def _primitive(name, abstract, multiple_results=False):
     p = Primitive(name)
     p.multiple_results = multiple_results
@@ -112,6 +130,8 @@ permute_p = _primitive("moe_permute", _permute_abstract, multiple_results=True)
 unpermute_p = _primitive("moe_unpermute", _unpermute_abstract)
 scatter_p = _primitive("moe_scatter", _scatter_abstract)
 weight_grad_p = _primitive("moe_weight_grad", _weight_grad_abstract)
+unpermute_tangent_p = _primitive("moe_unpermute_tangent", _unpermute_tangent_abstract)
+unpermute_bwd_p = _primitive("moe_unpermute_bwd", _unpermute_bwd_abstract, multiple_results=True)
 
 
 # ---- binding helpers (float8 outputs are produced in float32 and cast) -----------------
@@ -133,6 +153,12 @@ def scatter(x, row_map, weights, has_weights, num_rows, out_dtype):
 
 def weight_grad(c, x, row_map, out_dtype):
     return weight_grad_p.bind(c, x, row_map, out_dtype=_kernel_dtype(out_dtype)).astype(out_dtype)
+
+
+def unpermute_bwd(c, x, row_map, weights, x_out_dtype, w_out_dtype):
+    ct_x, ct_w = unpermute_bwd_p.bind(c, x, row_map, weights, x_out_dtype=_kernel_dtype(x_out_dtype),
+                                      w_out_dtype=_kernel_dtype(w_out_dtype))
+    return ct_x.astype(x_out_dtype), ct_w.astype(w_out_dtype)
 
 
 # ---- lowering -----------------------------------------------------------------------------
@@ -157,6 +183,12 @@ def _ffi_rule(op, attrs, workspace=None):
 def _permute_workspace(ctx):  # (batch, entries, local experts)
     B, T, K = ctx.avals_out[2].shape
     return B, T * K, ctx.avals_out[1].shape[1]
+
+
+def _unpermute_bwd_workspace(ctx):  # (batch, entries, rows)
+    B, R, _ = ctx.avals_out[0].shape
+    _, T, K = ctx.avals_out[1].shape
+    return B, T * K, R
 
 
 def _scatter_workspace(ctx):  # (batch, entries, rows)
@@ -228,6 +260,33 @@ for _p, _lower, _ref, _multi in [
                                platform=_platform)
 
 
+def _composite_unpermute_tangent(dx, dw, x, row_map, weights, *, out_dtype):
+    bind = lambda a, w: unpermute_p.bind(a, row_map, w, out_dtype=out_dtype, has_weights=1)
+    return bind(dx, weights) + bind(x, dw)  # extents 1 and B broadcast
+
+
+def _composite_unpermute_bwd(c, x, row_map, weights, *, x_out_dtype, w_out_dtype):
+    B = _batch(c, x, row_map, weights)  # each half may see only extent-1 operands
+    outs = [scatter_p.bind(c, row_map, weights, num_rows=x.shape[1], out_dtype=x_out_dtype, has_weights=1),
+            weight_grad_p.bind(c, x, row_map, out_dtype=w_out_dtype)]
+    return [jnp.broadcast_to(o, (B,) + o.shape[1:]) for o in outs]
+
+
+mlir.register_lowering(unpermute_tangent_p, mlir.lower_fun(_composite_unpermute_tangent, multiple_results=False))
+mlir.register_lowering(unpermute_bwd_p, mlir.lower_fun(_composite_unpermute_bwd, multiple_results=True))
+if _native.has_target("cuda", "unpermute_bwd"):  # one pass for both cotangents
+    _fused_bwd = _ffi_rule("unpermute_bwd", (), _unpermute_bwd_workspace)
+    _composite_bwd = mlir.lower_fun(_composite_unpermute_bwd, multiple_results=True)
+
+    def _lower_unpermute_bwd_cuda(ctx, *args, **params):
+        wide = {jnp.dtype(d) for d in KERNEL_OUT_DTYPES}  # the fused kernel's input dtypes (not float8)
+        if {a.dtype for a in ctx.avals_in[:2]} <= wide and ctx.avals_out[0].dtype == ctx.avals_in[1].dtype:
+            return _fused_bwd(ctx, *args, platform="cuda", **params)
+        return _composite_bwd(ctx, *args, **params)
+
+    mlir.register_lowering(unpermute_bwd_p, _lower_unpermute_bwd_cuda, platform="cuda")
+
+
 # ---- batching: fold the vmapped axis into the leading batch axis -------------------------
 
 def _fold_vmap_axis(args, dims):
@@ -259,7 +318,7 @@ def _batcher(p):
     return rule
 
 
-for _p in (permute_p, unpermute_p, scatter_p, weight_grad_p):
+for _p in (permute_p, unpermute_p, scatter_p, weight_grad_p, unpermute_tangent_p, unpermute_bwd_p):
     batching.primitive_batchers[_p] = _batcher(_p)
 
 
@@ -354,3 +413,70 @@ for _p, _linear, _transpose in [
 ]:
     ad.primitive_jvps[_p] = _bilinear_jvp(_p, _linear)
     ad.primitive_transposes[_p] = _transpose
+
+
+def _unpermute_jvp(primals, tangents, *, out_dtype, has_weights):
+    """With both expert rows and weights varying, one unpermute_tangent (whose transpose is
+    the fused backward) instead of two unpermutes transposed apart."""
+    x, row_map, weights = primals
+    dx, _, dw = tangents
+    if type(dx) is ad.Zero or type(dw) is ad.Zero:
+        return _bilinear_jvp(unpermute_p, (0, 2))(primals, tangents, out_dtype=out_dtype, has_weights=has_weights)
+    out = unpermute_p.bind(x, row_map, weights, out_dtype=out_dtype, has_weights=has_weights)
+    return out, unpermute_tangent_p.bind(dx, dw, x, row_map, weights, out_dtype=out_dtype)
+
+
+ad.primitive_jvps[unpermute_p] = _unpermute_jvp
+
+
+def _unpermute_tangent_jvp(primals, tangents, *, out_dtype):
+    """unpermute(dx, w) + unpermute(x, dw) is bilinear in (dx, dw) against (x, w): each varying
+    operand contributes one unpermute."""
+    dx, dw, x, row_map, weights = primals
+    out = unpermute_tangent_p.bind(dx, dw, x, row_map, weights, out_dtype=out_dtype)
+    pairs = [(tangents[0], weights), (dx, tangents[4]), (tangents[2], dw), (x, tangents[1])]
+    terms = [unpermute_p.bind(a, row_map, w, out_dtype=out_dtype, has_weights=1)
+             for a, w in pairs if type(a) is not ad.Zero and type(w) is not ad.Zero]
+    if not terms:
+        return out, ad.Zero(core.ShapedArray(out.shape, out.dtype))
+    return out, sum(terms[1:], terms[0])
+
+
+def _unpermute_tangent_transpose(ct, dx, dw, x, row_map, weights, *, out_dtype):
+    if type(ct) is ad.Zero:
+        return None, None, None, None, None
+    undefined = ad.is_undefined_primal
+    ct_dx = ct_dw = ct_x = ct_w = None
+    if undefined(dx) and undefined(dw):
+        ct_dx, ct_dw = unpermute_bwd(ct, x, row_map, weights, dx.aval.dtype, dw.aval.dtype)
+    elif undefined(dx):
+        ct_dx = scatter(ct, row_map, weights, 1, dx.aval.shape[1], dx.aval.dtype)
+    elif undefined(dw):
+        ct_dw = weight_grad(ct, x, row_map, dw.aval.dtype)
+    if undefined(x):  # the unpermute(x, dw) term
+        ct_x = scatter(ct, row_map, dw, 1, x.aval.shape[1], x.aval.dtype)
+    if undefined(weights):  # the unpermute(dx, w) term
+        ct_w = weight_grad(ct, dx, row_map, weights.aval.dtype)
+    operands = (dx, dw, x, row_map, weights)
+    cts = (ct_dx, ct_dw, ct_x, None, ct_w)
+    return tuple(None if c is None else _sum_to_batch(c, o) for c, o in zip(cts, operands))
+
+
+def _unpermute_bwd_jvp(primals, tangents, *, x_out_dtype, w_out_dtype):
+    """scatter(c, w) is bilinear in (c, w), weight_grad(c, x) in (c, x)."""
+    c, x, row_map, weights = primals
+    dc, dx, _, dw = tangents
+    outs = unpermute_bwd_p.bind(c, x, row_map, weights, x_out_dtype=x_out_dtype, w_out_dtype=w_out_dtype)
+    scatter_of = lambda a, w: scatter_p.bind(a, row_map, w, num_rows=x.shape[1], out_dtype=x_out_dtype, has_weights=1)
+    grad_of = lambda a, b: weight_grad_p.bind(a, b, row_map, out_dtype=w_out_dtype)
+    tangent_outs = []
+    for out, terms in zip(outs, ([(dc, weights, scatter_of), (c, dw, scatter_of)],
+                                 [(dc, x, grad_of), (c, dx, grad_of)])):
+        live = [f(a, b) for a, b, f in terms if type(a) is not ad.Zero and type(b) is not ad.Zero]
+        tangent_outs.append(sum(live[1:], live[0]) if live else ad.Zero(core.ShapedArray(out.shape, out.dtype)))
+    return outs, tangent_outs
+
+
+ad.primitive_jvps[unpermute_tangent_p] = _unpermute_tangent_jvp
+ad.primitive_transposes[unpermute_tangent_p] = _unpermute_tangent_transpose
+ad.primitive_jvps[unpermute_bwd_p] = _unpermute_bwd_jvp

@@ -1,6 +1,6 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
 odd H, expert_map, align_size, every permute path (one-launch, tiled, radix sort), forward and
-backward."""
+backward, and unpermute's backward on a row map with shared rows."""
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +45,22 @@ CASES = [
     dict(T=9, H=1, E=2, K=3, dtype=jnp.float16),
 ]
 
+def run_shared_rows(T=40, R=30, H=24, K=3):
+    """unpermute's backward on a row map with shared, empty and invalid rows."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    x, w = jax.random.normal(k[0], (R, H)).astype(jnp.bfloat16), jax.random.uniform(k[1], (T, K))
+    rm = jax.random.randint(k[2], (T, K), -2, R + 2)
+    ct = jax.random.normal(k[3], (T, H))
+    grads = jax.jit(jax.grad(lambda a, b: jnp.vdot(ct, jmp.moe_unpermute(a, rm, b, out_dtype=jnp.float32)),
+                             argnums=(0, 1)))(x, w)
+    return [np.asarray(g).shape for g in grads]
+
+
 if __name__ == "__main__":
     for case in CASES:
         print(case, run(**case))
+    print("shared rows", run_shared_rows())
+    print("shared rows, 8 warps per token, 2 groups of entries", run_shared_rows(H=1000, K=10))
     # vmapped: one launch for the batch
     h = jax.random.normal(jax.random.PRNGKey(1), (3, 20, 16)).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.PRNGKey(2), (3, 20, 2), -1, 9)

@@ -94,3 +94,47 @@ def test_deterministic():
 def test_h_zero():
     out = jmp.moe_unpermute(jnp.ones((4, 0), jnp.float32), random_row_map(3, 2, 4))
     assert out.shape == (3, 0)
+
+
+# Gradients w.r.t. expert rows and weights together: on CUDA one fused pass (rows owned by one
+# entry written by its token, rows nothing maps to zeroed, rows of several entries summed in
+# entry order); elsewhere scatter + weight_grad. (T, R, H, K): permute-made maps are injective;
+# these random ones share rows, hold invalid ones and leave rows empty. On CUDA a token takes
+# one warp on large grids and up to 8 on small ones (their dot products added in shared
+# memory), K > 8 two groups of entries: (5, 3, 16, 12) one warp, (50, 400, 1024, 10) 8 warps,
+# (4000, 20000, 256, 4) one warp per token because the tokens alone fill the GPU.
+@pytest.mark.parametrize("T,R,H,K", [(1, 9, 7, 8), (37, 50, 33, 3), (64, 600, 2048, 8), (300, 700, 4096, 2),
+                                     (5, 3, 16, 12), (50, 400, 1024, 10), (4000, 20000, 256, 4)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gradients_of_rows_and_weights_match_reference(T, R, H, K, dtype):
+    x, w, rm = random_float((R, H), dtype), random_float((T, K), jnp.float32), random_row_map(T, K, R)
+    ct = random_float((T, H), jnp.float32)
+
+    def grads(lib, rows):
+        return jax.jit(jax.grad(lambda a, b: jnp.vdot(ct, lib.moe_unpermute(a, rm, b, out_dtype=jnp.float32)),
+                                argnums=(0, 1)))(rows, w)
+
+    # The reference in float32 (in x's dtype it would round each entry's share of a row before
+    # adding); ours sums in float32 and rounds once.
+    (gx, gw), (rx, rw) = grads(jmp, x), grads(jmp.reference, x.astype(jnp.float32))
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+    assert_close(gx, rx.astype(dtype), dtype)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_through_a_permute_made_map_in_bfloat16():
+    """bfloat16 throughout, as in training (on CUDA 16-byte vectors of 8 values): permute's map
+    sends every entry to a row of its own, so each row is written by its token alone."""
+    T, E, K, H = 4000, 16, 4, 512
+    rm = jmp.moe_permute(random_float((T, H), jnp.bfloat16), random_ids(T, K, E, low=0, high_extra=0), E).row_map
+    x = random_float((T * K, H), jnp.bfloat16)
+    w, ct = random_float((T, K), jnp.bfloat16), random_float((T, H), jnp.bfloat16)
+
+    def grads(lib):
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(ct * lib.moe_unpermute(a, rm, b)).astype(jnp.float32),
+                                argnums=(0, 1)))(x, w)
+
+    (gx, gw), (rx, rw) = grads(jmp), grads(jmp.reference)
+    assert gx.dtype == rx.dtype == jnp.bfloat16 and gw.dtype == rw.dtype == jnp.bfloat16
+    assert_bits_equal(gx, rx)  # one rounding of w * ct either way
+    assert_close(gw, rw, jnp.bfloat16)
