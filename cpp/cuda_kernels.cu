@@ -911,8 +911,9 @@ __global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
 }
 
 // A lane holds kUnroll vectors of the cotangent row and kGroup entries' vectors of their rows
-// in flight: (8, 1) for K > 2, (2, 4) for K <= 2. The h loop is warp-uniform (lanes past H
-// idle in it) because it shuffles. partial: [kThreads / 32][K] floats of dynamic shared memory
+// in flight: (8, 1) for K > 2, (2, 2) for K <= 2 ((2, 4) spilled under the 2-block register
+// cap and ran 20 % slower). The h loop is warp-uniform (lanes past H idle in it) because it
+// shuffles. partial: [kThreads / 32][K] floats of dynamic shared memory
 // when parts > 1, to add the dot products of a token's warps in a fixed order.
 template <typename C, typename X, int V, int kGroup, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 2)
