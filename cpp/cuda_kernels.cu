@@ -884,8 +884,8 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
 }
 
 // ---- unpermute's backward, fused ------------------------------------------------------------
-// 1. owner[b, r] = -1. 2. Each entry claims its row: owner = the entry, or -2 once a second
-//    entry claims it (atomics only tell "one entry" from "several", so results stay
+// 1. owner[b, r] = -1 (a memset). 2. Each entry claims its row: owner = the entry, or -2 once
+//    a second entry claims it (atomics only tell "one entry" from "several", so results stay
 //    deterministic). 3. `parts` warps per token (one on large grids, up to a block's 8 on small
 //    ones) read its cotangent row once for both cotangents: the dot products with its K expert
 //    rows (the weights' cotangent) and w * ct into each row its entry owns alone. No barrier
@@ -893,11 +893,6 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
 //    and sums the rows of several entries in ascending entry order, one pass over the row map
 //    per such row (permute never makes them; a user's row map may).
 constexpr int kBwdMaxParts = kThreads / 32;
-
-__global__ void fill_kernel(int32_t* p, int64_t n, int32_t value) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = value;
-}
 
 __global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
   const int64_t n = a.tokens * a.topk;
@@ -1296,8 +1291,9 @@ cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;
   int32_t* owner = static_cast<int32_t*>(a.workspace);
   if (a.batch * R > 0) {
-    fill_kernel<<<blocks_for(a.batch * R), kThreads, 0, stream>>>(owner, a.batch * R, -1);
-    MOE_CHECK_LAUNCH();
+    // All bytes 0xff: every owner -1.
+    if (cudaError_t err = cudaMemsetAsync(owner, 0xff, sizeof(int32_t) * a.batch * R, stream); err != cudaSuccess)
+      return err;
     if (n > 0) {
       claim_rows_kernel<<<blocks_for(a.batch * n), kThreads, 0, stream>>>(a, owner);
       MOE_CHECK_LAUNCH();
