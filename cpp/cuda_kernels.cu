@@ -884,35 +884,27 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
 }
 
 // ---- unpermute's backward, fused ------------------------------------------------------------
-// 1. owner[b, r] = -1 (a memset). 2. Each entry claims its row: owner = the entry, or -2 once
-//    a second entry claims it (atomics only tell "one entry" from "several", so results stay
-//    deterministic). 3. `parts` warps per token (one on large grids, up to a block's 8 on small
-//    ones) read its cotangent row once for both cotangents: the dot products with its K expert
-//    rows (the weights' cotangent) and w * ct into each row its entry owns alone. No barrier
-//    when a warp holds the whole token. 4. A warp per 32 rows zeroes the rows nothing maps to
-//    and sums the rows of several entries in ascending entry order, one pass over the row map
-//    per such row (permute never makes them; a user's row map may).
+// 1. owner[b, r] = -1 (a memset). 2. `parts` warps per token (one on large grids, up to a
+//    block's 8 on small ones) read its cotangent row once for both cotangents: the dot products
+//    with its K expert rows (the weights' cotangent) and w * ct into each entry's row. No
+//    barrier when a warp holds the whole token. Each entry also claims its row: owner = the
+//    entry, or -2 once a second entry claims it (atomics only tell "one entry" from "several",
+//    so results stay deterministic). 3. A warp per 32 rows zeroes the rows nothing maps to and
+//    sums the rows of several entries in ascending entry order, one pass over the row map per
+//    such row (permute never makes them; a user's row map may), overwriting what step 2 wrote.
+// Small batches take one launch instead (unpermute_bwd_small_kernel below).
 constexpr int kBwdMaxParts = kThreads / 32;
 
-__global__ void claim_rows_kernel(UnpermuteBwdArgs a, int32_t* owner) {
-  const int64_t n = a.tokens * a.topk;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < a.batch * n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = i / n, j = i - b * n, r = a.row_map[b * a.rm_bstride + j];
-    if (r < 0 || r >= a.rows) continue;
-    int32_t* o = owner + b * a.rows + r;
-    if (atomicCAS(o, -1, static_cast<int32_t>(j)) != -1) atomicExch(o, -2);
-  }
-}
-
 // A lane holds kUnroll vectors of the cotangent row and kGroup entries' vectors of their rows
-// in flight: (8, 1) for K > 2, (2, 2) for K <= 2 ((2, 4) spilled under the 2-block register
-// cap and ran 20 % slower). The h loop is warp-uniform (lanes past H idle in it) because it
-// shuffles. partial: [kThreads / 32][K] floats of dynamic shared memory
-// when parts > 1, to add the dot products of a token's warps in a fixed order.
-template <typename C, typename X, int V, int kGroup, int kUnroll>
-__global__ void __launch_bounds__(kThreads, 2)
-    token_cotangents_kernel(UnpermuteBwdArgs a, const int32_t* owner, int parts) {
+// in flight, with registers for kMinBlocks resident blocks. Measured on the H200: (8, 1, 2) for
+// K > 2 ((4, 1, 3) and (2, 1, 4) were 6-15 % slower); (2, 1, 4) for K <= 2, where (2, 2, 2)
+// was latency-bound at 15 warps per multiprocessor (Mixtral T=32768: 393 -> 329 us). The h
+// loop is warp-uniform (lanes past H idle in it) because it shuffles. partial: [kThreads / 32][K]
+// floats of dynamic shared memory when parts > 1, to add the dot products of a token's warps in
+// a fixed order.
+template <typename C, typename X, int V, int kGroup, int kUnroll, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    token_cotangents_kernel(UnpermuteBwdArgs a, int32_t* owner, int parts) {
   extern __shared__ float partial[];
   constexpr int64_t kStep = 32 * V;  // values a warp covers with one vector per lane
   const int64_t H = a.hidden_size, K = a.topk, R = a.rows, n = a.batch * a.tokens;
@@ -934,7 +926,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           if (my_row >= R) my_row = -1;
           my_weight = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
         }
-        const uint32_t owned = __ballot_sync(0xffffffffu, my_row >= 0 && owner[b * R + my_row] == j);
+        if (my_row >= 0 && part == 0 && atomicCAS(owner + b * R + my_row, -1, static_cast<int32_t>(j)) != -1)
+          atomicExch(owner + b * R + my_row, -2);
         int32_t r[kGroup];
         float dot[kGroup];
 #pragma unroll
@@ -968,7 +961,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                 dot[e] += cf * to_f32(raw[u][e].v[i]);
                 scaled[i] = w * cf;
               }
-              if (owned >> e & 1) store_f32<X, V>(dx + r[e] * H + h, scaled);
+              store_f32<X, V>(dx + r[e] * H + h, scaled);
             }
           }
         }
@@ -1001,47 +994,142 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// A warp: of rows r0 .. r0 + 31 of example b, zeroes those nothing maps to and sums those of
+// several entries in ascending entry order (owner_b: that example's owners, global or shared).
 template <typename C, typename X, int V>
-__global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
-  const int64_t H = a.hidden_size, K = a.topk, n = a.tokens * K, R = a.rows, per_example = (R + 31) / 32;
+__device__ void shared_and_empty_rows(const UnpermuteBwdArgs& a, int64_t b, int64_t r0, const int32_t* owner_b) {
+  const int64_t H = a.hidden_size, K = a.topk, n = a.tokens * K, R = a.rows, r = r0 + threadIdx.x % 32;
   const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t q = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; q < a.batch * per_example; q += warps) {
-    const int64_t b = q / per_example, r0 = (q - b * per_example) * 32, r = r0 + lane;
-    const int32_t o = r < R ? owner[b * R + r] : 0;
-    uint32_t todo = __ballot_sync(0xffffffffu, r < R && o < 0);
-    while (todo) {
-      const int src = __ffs(todo) - 1;
-      todo &= todo - 1;
-      const int64_t row = r0 + src;
-      const bool several = __shfl_sync(0xffffffffu, o, src) == -2;
-      X* out = static_cast<X*>(a.out_x) + (b * R + row) * H;
-      for (int64_t base = 0; base < H; base += 32 * int64_t{V}) {
-        const int64_t h = base + lane * int64_t{V};
-        float acc[V] = {};
-        for (int64_t j0 = 0; several && j0 < n; j0 += 32) {
-          const int64_t j = j0 + lane;
-          uint32_t hits = __ballot_sync(0xffffffffu, j < n && a.row_map[b * a.rm_bstride + j] == row);
-          while (hits) {
-            const int64_t e = j0 + __ffs(hits) - 1;  // ascending entry order
-            hits &= hits - 1;
-            const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + e);
-            if (h < H) {
-              float c[V];
-              load_f32<C, V>(static_cast<const C*>(a.ct) + b * a.ct_bstride + (e / K) * H + h, c);
+  const int32_t o = r < R ? owner_b[r] : 0;
+  uint32_t todo = __ballot_sync(0xffffffffu, r < R && o < 0);
+  while (todo) {
+    const int src = __ffs(todo) - 1;
+    todo &= todo - 1;
+    const int64_t row = r0 + src;
+    const bool several = __shfl_sync(0xffffffffu, o, src) == -2;
+    X* out = static_cast<X*>(a.out_x) + (b * R + row) * H;
+    for (int64_t base = 0; base < H; base += 32 * int64_t{V}) {
+      const int64_t h = base + lane * int64_t{V};
+      float acc[V] = {};
+      for (int64_t j0 = 0; several && j0 < n; j0 += 32) {
+        const int64_t j = j0 + lane;
+        uint32_t hits = __ballot_sync(0xffffffffu, j < n && a.row_map[b * a.rm_bstride + j] == row);
+        while (hits) {
+          const int64_t e = j0 + __ffs(hits) - 1;  // ascending entry order
+          hits &= hits - 1;
+          const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + e);
+          if (h < H) {
+            float c[V];
+            load_f32<C, V>(static_cast<const C*>(a.ct) + b * a.ct_bstride + (e / K) * H + h, c);
 #pragma unroll
-              for (int i = 0; i < V; ++i) acc[i] += w * c[i];
-            }
+            for (int i = 0; i < V; ++i) acc[i] += w * c[i];
           }
         }
-        if (h < H) store_f32<X, V>(out + h, acc);
       }
+      if (h < H) store_f32<X, V>(out + h, acc);
     }
   }
 }
 
-template <typename C, typename X, int V, int kGroup, int kUnroll>
-cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+template <typename C, typename X, int V>
+__global__ void shared_and_empty_rows_kernel(UnpermuteBwdArgs a, const int32_t* owner) {
+  const int64_t per_example = (a.rows + 31) / 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; q < a.batch * per_example; q += warps) {
+    const int64_t b = q / per_example;
+    shared_and_empty_rows<C, X, V>(a, b, (q - b * per_example) * 32, owner + b * a.rows);
+  }
+}
+
+// Small batches in one launch (no memset, no second pass): each block claims its example's
+// rows in shared memory itself (the same owners the token pass gives), then takes whole
+// entries, a block per entry (its dot product, the 8 warps' sums added in order, and w * ct
+// into the row it owns alone), and groups of 32 rows for shared_and_empty_rows. Measured on
+// the H200 against the token pass: faster up to 1024 entries (Mixtral T=512 5.8 vs 11.7 us,
+// DeepSeek T=128 8.4 vs 10.8), slower at 2048 (Qwen3 T=256 8.9 vs 7.0), where every block
+// repeats a claim of 2048 entries.
+constexpr int64_t kBwdSmallMaxEntries = 1024, kBwdSmallMaxRows = 8192;  // 32 KiB of owners
+constexpr int kBwdSmallUnroll = 2, kBwdSmallBlocksPerSM = 4;  // 64 registers, no spills
+
+template <typename C, typename X, int V>
+__global__ void __launch_bounds__(kThreads, kBwdSmallBlocksPerSM) unpermute_bwd_small_kernel(UnpermuteBwdArgs a) {
+  extern __shared__ int32_t owner[];  // [rows]
+  __shared__ float warp_dots[kThreads / 32];
+  const int64_t H = a.hidden_size, K = a.topk, R = a.rows, b = blockIdx.y;
+  const int n = static_cast<int>(a.tokens * K);
+  const int32_t* rm = a.row_map + b * a.rm_bstride;
+  for (int r = threadIdx.x; r < R; r += kThreads) owner[r] = -1;
+  __syncthreads();
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    const int32_t r = rm[j];
+    if (r >= 0 && r < R && atomicCAS(&owner[r], -1, j) != -1) atomicExch(&owner[r], -2);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int j = blockIdx.x; j < n; j += gridDim.x) {
+    const int64_t r = rm[j] < R ? rm[j] : -1;
+    const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
+    const bool owned = r >= 0 && owner[r] == j;
+    const C* ct = static_cast<const C*>(a.ct) + b * a.ct_bstride + (j / K) * H;
+    const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + r * H;
+    X* dx = static_cast<X*>(a.out_x) + (b * R + r) * H;
+    float dot = 0.0f;
+    for (int64_t base = threadIdx.x * int64_t{V}; r >= 0 && base < H; base += kThreads * V * kBwdSmallUnroll) {
+      Vec<C, V> c[kBwdSmallUnroll];
+      Vec<X, V> raw[kBwdSmallUnroll];
+#pragma unroll
+      for (int u = 0; u < kBwdSmallUnroll; ++u) {
+        const int64_t h = base + u * kThreads * V;
+        if (h >= H) continue;
+        c[u] = *reinterpret_cast<const Vec<C, V>*>(ct + h);
+        raw[u] = *reinterpret_cast<const Vec<X, V>*>(x + h);
+      }
+#pragma unroll
+      for (int u = 0; u < kBwdSmallUnroll; ++u) {
+        const int64_t h = base + u * kThreads * V;
+        if (h >= H) continue;
+        float scaled[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float cf = to_f32(c[u].v[i]);
+          dot += cf * to_f32(raw[u].v[i]);
+          scaled[i] = w * cf;
+        }
+        if (owned) store_f32<X, V>(dx + h, scaled);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (lane == 0) warp_dots[warp] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int i = 0; i < kThreads / 32; ++i) total += warp_dots[i];
+      store_weight(a.out_w, a.out_w_dtype, b * n + j, total);
+    }
+    __syncthreads();  // warp_dots serves the next entry
+  }
+  for (int64_t q = blockIdx.x * int64_t{kThreads / 32} + warp; q * 32 < R; q += int64_t(gridDim.x) * (kThreads / 32))
+    shared_and_empty_rows<C, X, V>(a, b, q * 32, owner);
+}
+
+bool use_small_bwd(const UnpermuteBwdArgs& a) {
+  return a.tokens * a.topk <= kBwdSmallMaxEntries && a.rows <= kBwdSmallMaxRows && a.batch <= 65535;
+}
+
+template <typename C, typename X, int V>
+cudaError_t launch_unpermute_bwd_small(const UnpermuteBwdArgs& a, cudaStream_t stream) {
+  // A block per entry, enough for the row groups too, but no more than are resident at once
+  // (4 per multiprocessor): every block repeats the claim.
+  const int64_t blocks = std::max(a.tokens * a.topk, (a.rows + kThreads - 1) / kThreads);
+  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kBwdSmallBlocksPerSM * multiprocessors())),
+                  static_cast<unsigned>(a.batch));
+  unpermute_bwd_small_kernel<C, X, V><<<grid, kThreads, sizeof(int32_t) * a.rows, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename C, typename X, int V, int kGroup, int kUnroll, int kMinBlocks>
+cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, int32_t* owner, cudaStream_t stream) {
   // One warp per token once the tokens alone give every multiprocessor ~24 warps; else more
   // warps per token, as many as the row has warp-wide chunks, up to a block.
   const int64_t n = a.batch * a.tokens, chunks = (a.hidden_size + 32 * V * kUnroll - 1) / (32 * V * kUnroll);
@@ -1050,16 +1138,16 @@ cudaError_t launch_token_cotangents(const UnpermuteBwdArgs& a, const int32_t* ow
   while (parts < kBwdMaxParts && 2 * parts <= chunks && n * parts < 24 * multiprocessors() &&
          partial_bytes <= 48 * 1024)
     parts *= 2;
-  token_cotangents_kernel<C, X, V, kGroup, kUnroll>
+  token_cotangents_kernel<C, X, V, kGroup, kUnroll, kMinBlocks>
       <<<blocks_for(n, kBwdMaxParts / parts), kThreads, parts > 1 ? partial_bytes : 0, stream>>>(a, owner, parts);
   return cudaGetLastError();
 }
 
 template <typename C, typename X, int V>
-cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, const int32_t* owner, cudaStream_t stream) {
+cudaError_t launch_unpermute_bwd(const UnpermuteBwdArgs& a, int32_t* owner, cudaStream_t stream) {
   if (a.batch * a.tokens > 0) {
-    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 2>(a, owner, stream)
-                                        : launch_token_cotangents<C, X, V, 8, 1>(a, owner, stream);
+    const cudaError_t err = a.topk <= 2 ? launch_token_cotangents<C, X, V, 2, 1, 4>(a, owner, stream)
+                                        : launch_token_cotangents<C, X, V, 8, 1, 2>(a, owner, stream);
     if (err != cudaSuccess) return err;
   }
   if (a.hidden_size > 0)
@@ -1283,22 +1371,17 @@ int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {
 }
 
 cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream) {
-  const int64_t n = a.tokens * a.topk, R = a.rows;
   // float8 inputs take scatter + weight_grad (the lowering chooses); the expert rows' cotangent
   // comes in expert_out's dtype.
   auto wide = [](Dtype d) { return d == Dtype::kF32 || d == Dtype::kBF16 || d == Dtype::kF16; };
   if (!wide(a.ct_dtype) || !wide(a.x_dtype) || a.out_x_dtype != a.x_dtype) return cudaErrorInvalidValue;
   if (a.batch == 0) return cudaSuccess;
+  const bool small = use_small_bwd(a);
   int32_t* owner = static_cast<int32_t*>(a.workspace);
-  if (a.batch * R > 0) {
-    // All bytes 0xff: every owner -1.
-    if (cudaError_t err = cudaMemsetAsync(owner, 0xff, sizeof(int32_t) * a.batch * R, stream); err != cudaSuccess)
+  // All bytes 0xff: every owner -1.
+  if (!small && a.batch * a.rows > 0)
+    if (cudaError_t err = cudaMemsetAsync(owner, 0xff, sizeof(int32_t) * a.batch * a.rows, stream); err != cudaSuccess)
       return err;
-    if (n > 0) {
-      claim_rows_kernel<<<blocks_for(a.batch * n), kThreads, 0, stream>>>(a, owner);
-      MOE_CHECK_LAUNCH();
-    }
-  }
   cudaError_t result = cudaSuccess;
   visit_output(a.ct_dtype, [&](auto ctag) {
     using C = typename decltype(ctag)::type;
@@ -1306,8 +1389,10 @@ cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream) {
       using X = typename decltype(xtag)::type;
       constexpr int kVec = 16 / (sizeof(C) > sizeof(X) ? sizeof(C) : sizeof(X));
       const bool vec = a.hidden_size % kVec == 0 && aligned16(a.ct) && aligned16(a.x) && aligned16(a.out_x);
-      result = vec ? launch_unpermute_bwd<C, X, kVec>(a, owner, stream)
-                   : launch_unpermute_bwd<C, X, 1>(a, owner, stream);
+      if (small)
+        result = vec ? launch_unpermute_bwd_small<C, X, kVec>(a, stream) : launch_unpermute_bwd_small<C, X, 1>(a, stream);
+      else
+        result = vec ? launch_unpermute_bwd<C, X, kVec>(a, owner, stream) : launch_unpermute_bwd<C, X, 1>(a, owner, stream);
     });
   });
   return result;

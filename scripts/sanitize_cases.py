@@ -60,7 +60,8 @@ if __name__ == "__main__":
     for case in CASES:
         print(case, run(**case))
     print("shared rows", run_shared_rows())
-    print("shared rows, 8 warps per token, 2 groups of entries", run_shared_rows(H=1000, K=10))
+    print("shared rows, one launch, 2 groups of entries", run_shared_rows(H=1000, K=10))
+    print("shared rows, token pass, 2 groups of entries", run_shared_rows(T=260, R=3000, H=1000, K=10))
     # vmapped: one launch for the batch
     h = jax.random.normal(jax.random.PRNGKey(1), (3, 20, 16)).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.PRNGKey(2), (3, 20, 2), -1, 9)

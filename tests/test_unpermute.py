@@ -99,12 +99,17 @@ def test_h_zero():
 # Gradients w.r.t. expert rows and weights together: on CUDA one fused pass (rows owned by one
 # entry written by its token, rows nothing maps to zeroed, rows of several entries summed in
 # entry order); elsewhere scatter + weight_grad. (T, R, H, K): permute-made maps are injective;
-# these random ones share rows, hold invalid ones and leave rows empty. On CUDA a token takes
-# one warp on large grids and up to 8 on small ones (their dot products added in shared
-# memory), K > 8 two groups of entries: (5, 3, 16, 12) one warp, (50, 400, 1024, 10) 8 warps,
-# (4000, 20000, 256, 4) one warp per token because the tokens alone fill the GPU.
-@pytest.mark.parametrize("T,R,H,K", [(1, 9, 7, 8), (37, 50, 33, 3), (64, 600, 2048, 8), (300, 700, 4096, 2),
-                                     (5, 3, 16, 12), (50, 400, 1024, 10), (4000, 20000, 256, 4)])
+# these random ones share rows, hold invalid ones and leave rows empty. On CUDA, up to 1024
+# entries and 8192 rows take one launch with a block per entry: the first six shapes. Larger
+# ones take the token pass: (300, 700, 2048, 8) 8 warps per token, (260, 3000, 1024, 10) two
+# groups of entries, (50, 9000, 64, 2) too many rows for one launch, (4000, 20000, 256, 4) one
+# warp per token because the tokens alone fill the GPU.
+BWD_SHAPES = [(1, 9, 7, 8), (37, 50, 33, 3), (64, 600, 2048, 8), (300, 700, 4096, 2), (5, 3, 16, 12),
+              (50, 400, 1024, 10), (300, 700, 2048, 8), (260, 3000, 1024, 10), (50, 9000, 64, 2),
+              (4000, 20000, 256, 4)]
+
+
+@pytest.mark.parametrize("T,R,H,K", BWD_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
 def test_gradients_of_rows_and_weights_match_reference(T, R, H, K, dtype):
     x, w, rm = random_float((R, H), dtype), random_float((T, K), jnp.float32), random_row_map(T, K, R)
@@ -138,3 +143,22 @@ def test_gradients_through_a_permute_made_map_in_bfloat16():
     assert gx.dtype == rx.dtype == jnp.bfloat16 and gw.dtype == rw.dtype == jnp.bfloat16
     assert_bits_equal(gx, rx)  # one rounding of w * ct either way
     assert_close(gw, rw, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("T,R,H,K", [(37, 50, 33, 3), (300, 700, 64, 8)])
+def test_batched_gradients_match_a_loop(T, R, H, K):
+    """vmap(grad): one launch for the batch on either CUDA path (2400 entries take the token
+    pass), the row map shared by the batch (batch stride 0)."""
+    B = 3
+    xs, ws = random_float((B, R, H), jnp.bfloat16), random_float((B, T, K), jnp.float32)
+    rm, cts = random_row_map(T, K, R), random_float((B, T, H), jnp.float32)
+
+    def grads(x, w, ct):
+        return jax.grad(lambda a, b: jnp.vdot(ct, jmp.moe_unpermute(a, rm, b, out_dtype=jnp.float32)),
+                        argnums=(0, 1))(x, w)
+
+    got = jax.jit(jax.vmap(grads))(xs, ws, cts)
+    for b in range(B):
+        want = jax.jit(grads)(xs[b], ws[b], cts[b])
+        assert_bits_equal(got[0][b], want[0])
+        np.testing.assert_allclose(np.asarray(got[1][b]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)

@@ -14,8 +14,10 @@ if __name__ == "__main__":
     parser.add_argument("spec", metavar="model:T")
     parser.add_argument("op", choices=bench.OPS)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--ref", action="store_true", help="run the reference instead of ours")
     args = parser.parse_args()
     model, T = args.spec.split(":")
-    f, call_args = bench.op_call(jmp, bench.MODELS[model][0], bench.shape_inputs(model, int(T)), args.op)
+    lib = jmp.reference if args.ref else jmp
+    f, call_args = bench.op_call(lib, bench.MODELS[model][0], bench.shape_inputs(model, int(T)), args.op)
     for _ in range(args.calls):
         jax.block_until_ready(f(*call_args))
