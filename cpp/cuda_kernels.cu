@@ -897,7 +897,7 @@ constexpr int kBwdMaxParts = kThreads / 32;
 
 // A lane holds kUnroll vectors of the cotangent row and kGroup entries' vectors of their rows
 // in flight, with registers for kMinBlocks resident blocks. Measured on the H200: (8, 1, 2) for
-// K > 2 ((4, 1, 3) and (2, 1, 4) were 6-15 % slower); (2, 1, 4) for K <= 2, where (2, 2, 2)
+// K > 2 ((4, 1, 3) and (2, 1, 4) were 1-17 % slower); (2, 1, 4) for K <= 2, where (2, 2, 2)
 // was latency-bound at 15 warps per multiprocessor (Mixtral T=32768: 393 -> 329 us). The h
 // loop is warp-uniform (lanes past H idle in it) because it shuffles. partial: [kThreads / 32][K]
 // floats of dynamic shared memory when parts > 1, to add the dot products of a token's warps in
