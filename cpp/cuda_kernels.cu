@@ -837,6 +837,24 @@ __global__ void multi_entry_rows_kernel(ScatterArgs a, const uint32_t* sorted_va
 // A warp's threads read two vector pairs before they multiply (a block's, one: fewer registers,
 // more resident blocks; measured faster on the H200); the group's sum is a warp shuffle tree,
 // then (block groups) the warps' sums in order.
+// The sum of v over a warp (kGroup 32) or the block (kGroup kThreads) in a fixed order: a
+// shuffle tree per warp, then the warps' sums in ascending order. Valid in the group's first
+// thread. Block groups: every thread calls it; warp_sums holds kThreads / 32 floats of shared
+// memory and can be reused as soon as it returns.
+template <int kGroup>
+__device__ __forceinline__ float group_sum(float v, float* warp_sums) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+  if constexpr (kGroup > 32) {
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 1; w < kGroup / 32; ++w) v += warp_sums[w];
+    __syncthreads();
+  }
+  return v;
+}
+
 template <typename C, typename X, int V, int kGroup>
 __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a) {
   constexpr int kGroups = kThreads / kGroup, kWgUnroll = kGroup == 32 ? 2 : 1;
@@ -870,15 +888,7 @@ __global__ void __launch_bounds__(kThreads) weight_grad_kernel(WeightGradArgs a)
         }
       }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_down_sync(0xffffffffu, partial, offset);
-    if constexpr (kGroup > 32) {
-      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = partial;
-      __syncthreads();
-      if (threadIdx.x == 0)
-        for (int w = 1; w < kGroup / 32; ++w) partial += warp_sums[w];
-      __syncthreads();  // warp_sums is reused by the next entry
-    }
+    partial = group_sum<kGroup>(partial, warp_sums);
     if (lane == 0 && g < entries) store_weight(a.out, a.out_dtype, g, partial);
   }
 }
@@ -1065,7 +1075,7 @@ __global__ void __launch_bounds__(kThreads, kBwdSmallBlocksPerSM) unpermute_bwd_
     if (r >= 0 && r < R && atomicCAS(&owner[r], -1, j) != -1) atomicExch(&owner[r], -2);
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32;
   for (int j = blockIdx.x; j < n; j += gridDim.x) {
     const int64_t r = rm[j] < R ? rm[j] : -1;
     const float w = weight_at(a.weights, a.w_dtype, b * a.w_bstride + j);
@@ -1098,16 +1108,8 @@ __global__ void __launch_bounds__(kThreads, kBwdSmallBlocksPerSM) unpermute_bwd_
         if (owned) store_f32<X, V>(dx + h, scaled);
       }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) warp_dots[warp] = dot;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (int i = 0; i < kThreads / 32; ++i) total += warp_dots[i];
-      store_weight(a.out_w, a.out_w_dtype, b * n + j, total);
-    }
-    __syncthreads();  // warp_dots serves the next entry
+    dot = group_sum<kThreads>(dot, warp_dots);
+    if (threadIdx.x == 0) store_weight(a.out_w, a.out_w_dtype, b * n + j, dot);
   }
   for (int64_t q = blockIdx.x * int64_t{kThreads / 32} + warp; q * 32 < R; q += int64_t(gridDim.x) * (kThreads / 32))
     shared_and_empty_rows<C, X, V>(a, b, q * 32, owner);
