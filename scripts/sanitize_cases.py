@@ -1,6 +1,7 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
-odd H, expert_map, align_size, every permute path (one-launch, tiled, radix sort), forward and
-backward, and unpermute's backward on a row map with shared rows."""
+odd H, expert_map, align_size, every permute path (warp-routed, counted, ranked in one launch,
+tiled, radix sort), forward and backward, and unpermute's backward on a row map with shared
+rows."""
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,8 @@ def run(T, H, E, K, dtype=jnp.bfloat16, with_map=False, align_size=1, seed=0):
 CASES = [
     dict(T=0, H=8, E=4, K=2),
     dict(T=1, H=7, E=3, K=8),
+    dict(T=4, H=4096, E=16, K=8, with_map=True),  # 32 entries routed by one warp, unused rows
+    dict(T=60, H=1030, E=40, K=6, with_map=True),  # up to 2048 entries: rows counted by each block
     dict(T=37, H=33, E=5, K=3, align_size=4),
     dict(T=64, H=64, E=16, K=4, with_map=True, align_size=8),
     dict(T=700, H=24, E=64, K=4, with_map=True),  # more than 2048 entries: the tiled sort
@@ -65,6 +68,7 @@ if __name__ == "__main__":
     # vmapped: one launch for the batch
     h = jax.random.normal(jax.random.PRNGKey(1), (3, 20, 16)).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.PRNGKey(2), (3, 20, 2), -1, 9)
-    out = jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=4)))(h, ids)
-    jax.block_until_ready(out)
+    for align in (1, 4):
+        jax.block_until_ready(jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))(h, ids))
+        jax.block_until_ready(jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))(h[:, :3], ids[:, :3]))
     print("SANITIZE CASES DONE")

@@ -13,6 +13,12 @@ SHAPES = [
     (0, 8, 4, 2),
     (1, 1, 1, 1),
     (1, 7, 3, 8),
+    # On CUDA: up to 32 entries without padding are routed by one warp; up to 2048 by counts
+    # in every block (below, rows in several chunks, and more experts than blocks).
+    (4, 4096, 256, 8),
+    (11, 3, 8, 3),
+    (37, 4096, 64, 4),
+    (40, 24, 600, 2),
     (37, 33, 3, 8),
     (37, 1, 256, 4),
     (129, 4096, 8, 2),

@@ -131,10 +131,12 @@ def batched_inputs():
 
 
 @pytest.mark.parametrize("in_axes", [a for a in itertools.product([0, None], repeat=3) if a != (None,) * 3])
-def test_vmap_permute_matches_loop(in_axes):
+@pytest.mark.parametrize("tokens,align_size", [(T, 4), (T, 1), (2, 1)])  # CUDA: three one-launch paths
+def test_vmap_permute_matches_loop(in_axes, tokens, align_size):
     hs, idss, ms = batched_inputs()
+    hs, idss = hs[:, :tokens], idss[:, :tokens]
     args = [x if ax == 0 else x[0] for x, ax in zip((hs, idss, ms), in_axes)]
-    f = lambda h, i, m: jmp.moe_permute(h, i, E, expert_map=m, num_local_experts=L, align_size=4)
+    f = lambda h, i, m: jmp.moe_permute(h, i, E, expert_map=m, num_local_experts=L, align_size=align_size)
     got = jax.vmap(f, in_axes=in_axes)(*args)
     for b in range(B):
         want = f(*[x[b] if ax == 0 else x for x, ax in zip(args, in_axes)])
