@@ -69,6 +69,7 @@ if __name__ == "__main__":
     h = jax.random.normal(jax.random.PRNGKey(1), (3, 20, 16)).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.PRNGKey(2), (3, 20, 2), -1, 9)
     for align in (1, 4):
-        jax.block_until_ready(jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))(h, ids))
-        jax.block_until_ready(jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))(h[:, :3], ids[:, :3]))
+        vmapped = jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))
+        jax.block_until_ready(vmapped(h, ids))
+        jax.block_until_ready(vmapped(h[:, :3], ids[:, :3]))
     print("SANITIZE CASES DONE")
