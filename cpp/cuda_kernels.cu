@@ -923,28 +923,31 @@ __global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), k
 // Small grids (decode: a token or a few per multiprocessor) are latency-bound: one warp per
 // scheduler, so every instruction between launch and the last store is on the critical path.
 // One block per (chunk, token, example): no grid-stride loop and no 64-bit division; all K <=
-// kFewMaxK row indices and weights read at once, the weights' dtype branched on once. (H200, K=8:
-// T=1 1.73 / 1.76 us -> 1.57 / 1.60 for Qwen3 / DeepSeek, T=64 2.02 / 3.01 -> 1.82 / 2.75. At
-// K=2 unpermute_kernel's two slots stay faster: Mixtral T=1 1.44 against 1.54.)
+// kFewMaxK row indices and weights read at once. (H200, T=1, Mixtral / Qwen3 / DeepSeek: 1.44 /
+// 1.73 / 1.76 us with unpermute_kernel, 1.54 / 1.57 / 1.60 with this kernel's first form,
+// 1.31 / 1.47 / 1.47-1.50 with WeightReader; XLA's fused gather 1.02 / 1.18 / 1.25. The stages,
+// timed by cutting the kernel short: launch 0.5 us, + the store 0.74, + the row map's load 0.84,
+// + one row's load 1.12.)
 constexpr int kFewMaxK = 8;
 
-template <int kN>
-__device__ __forceinline__ void load_weights(const UnpermuteArgs& a, int64_t w0, int32_t K, float (&w)[kN]) {
-  auto read = [&](auto* p) {
-#pragma unroll
-    for (int j = 0; j < kN; ++j) w[j] = j < K ? to_f32(p[w0 + j]) : 0.0f;
-  };
-  if (a.weights == nullptr) {
-#pragma unroll
-    for (int j = 0; j < kN; ++j) w[j] = 1.0f;
-  } else if (a.w_dtype == Dtype::kBF16) {
-    read(static_cast<const __nv_bfloat16*>(a.weights));
-  } else if (a.w_dtype == Dtype::kF16) {
-    read(static_cast<const __half*>(a.weights));
-  } else {
-    read(static_cast<const float*>(a.weights));
+// Reads weights in two steps: raw bits by predicated loads of the width their dtype has (no
+// branch on the dtype, whose merge held back the row loads issued after it: -0.1 us at T=1 on
+// the H200), then their values once the rows are in flight. Null weights read as 1.
+struct WeightReader {
+  const char* w;
+  bool wide, half;
+  __device__ explicit WeightReader(const UnpermuteArgs& a)
+      : w(static_cast<const char*>(a.weights)), wide(a.w_dtype == Dtype::kF32), half(a.w_dtype == Dtype::kF16) {}
+  __device__ uint32_t bits(int64_t i) const {
+    if (w == nullptr) return 0;
+    return wide ? *reinterpret_cast<const uint32_t*>(w + i * 4) : uint32_t{*reinterpret_cast<const uint16_t*>(w + i * 2)};
   }
-}
+  __device__ float value(uint32_t b) const {
+    if (w == nullptr) return 1.0f;
+    if (wide) return __uint_as_float(b);
+    return half ? __half2float(__ushort_as_half(static_cast<unsigned short>(b))) : __uint_as_float(b << 16);
+  }
+};
 
 template <typename X, typename O, int V>
 __global__ void __launch_bounds__(kGatherThreads) unpermute_few_kernel(UnpermuteArgs a) {
@@ -953,19 +956,24 @@ __global__ void __launch_bounds__(kGatherThreads) unpermute_few_kernel(Unpermute
   if (h >= H) return;
   const int64_t b = blockIdx.z, g = b * a.tokens + blockIdx.y;
   const int32_t* rm = a.row_map + b * a.rm_bstride + int64_t{blockIdx.y} * K;
+  const int64_t w0 = b * a.w_bstride + int64_t{blockIdx.y} * K;
+  const WeightReader weights(a);
   int32_t r[kFewMaxK];
-  float w[kFewMaxK];
+  uint32_t w_bits[kFewMaxK];
 #pragma unroll
   for (int j = 0; j < kFewMaxK; ++j) {
     r[j] = j < K ? rm[j] : -1;
+    w_bits[j] = j < K ? weights.bits(w0 + j) : 0;
     if (r[j] >= a.rows) r[j] = -1;
   }
-  load_weights(a, b * a.w_bstride + int64_t{blockIdx.y} * K, K, w);
   const X* x = static_cast<const X*>(a.x) + b * a.x_bstride + h;
   Vec<X, V> raw[kFewMaxK];
 #pragma unroll
   for (int j = 0; j < kFewMaxK; ++j)
     if (r[j] >= 0) raw[j] = *reinterpret_cast<const Vec<X, V>*>(x + int64_t{r[j]} * H);
+  float w[kFewMaxK];
+#pragma unroll
+  for (int j = 0; j < kFewMaxK; ++j) w[j] = weights.value(w_bits[j]);
   float acc[V] = {};
 #pragma unroll
   for (int j = 0; j < kFewMaxK; ++j)
@@ -1510,7 +1518,7 @@ template <typename X, typename O, int V>
 cudaError_t launch_unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
   const dim3 grid = gather_grid(a.batch * a.tokens, a.hidden_size, V);
   const bool fills_gpu = int64_t{grid.x} * grid.y >= 4 * multiprocessors();
-  if (!fills_gpu && a.topk > 2 && a.topk <= kFewMaxK && a.tokens <= 65535 && a.batch <= 65535 &&
+  if (!fills_gpu && a.topk <= kFewMaxK && a.tokens <= 65535 && a.batch <= 65535 &&
       a.hidden_size < (int64_t{1} << 30)) {
     unpermute_few_kernel<X, O, V><<<dim3(grid.y, static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.batch)),
                                     kGatherThreads, 0, stream>>>(a);

@@ -9,9 +9,10 @@ import jax_moe_permute as jmp
 from conftest import FLOAT_DTYPES, WEIGHT_DTYPES, assert_bits_equal, assert_close, random_float, random_ids
 
 # (T, R, H, K). On CUDA the gather issues 2, 4 or 8 row loads at a time (by K and grid size):
-# K = 3 and 12 on grids large enough for 4 leave partial batches.
+# K = 3 and 12 on grids large enough for 4 leave partial batches; (1001, 2100, 1024, 2) and
+# (601, 900, 24, 1) are K <= 2 on grids that fill the GPU, odd token counts.
 SHAPES = [(0, 4, 8, 2), (1, 1, 1, 1), (1, 9, 7, 8), (37, 50, 33, 3), (129, 300, 4096, 2), (1000, 8000, 64, 8),
-          (700, 2100, 40, 3), (600, 7000, 16, 12)]
+          (700, 2100, 40, 3), (600, 7000, 16, 12), (1001, 2100, 1024, 2), (601, 900, 24, 1)]
 
 
 def random_row_map(T, K, R):
@@ -89,6 +90,18 @@ def test_deterministic():
     first = f(x, rm, w)
     for _ in range(3):
         assert_bits_equal(f(x, rm, w), first)
+
+
+def test_batched_matches_a_loop():
+    """vmap over 3 examples (one launch, batch strides) of an odd token count, K = 2, on a grid
+    that fills the GPU."""
+    B, T, R, H, K = 3, 333, 700, 2048, 2
+    xs, ws = random_float((B, R, H), jnp.bfloat16), random_float((B, T, K), jnp.float32)
+    rms = jnp.stack([random_row_map(T, K, R) for _ in range(B)])
+    got = jax.jit(jax.vmap(jmp.moe_unpermute))(xs, rms, ws)
+    for b in range(B):
+        assert_bits_equal(got[b], jax.jit(jmp.moe_unpermute)(xs[b], rms[b], ws[b]))
+        assert_close(got[b], jmp.reference.moe_unpermute(xs[b], rms[b], ws[b]), jnp.bfloat16)
 
 
 def test_h_zero():
