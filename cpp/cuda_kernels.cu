@@ -752,12 +752,15 @@ __global__ void __launch_bounds__(kSmallThreads) permute_tiny_kernel(PermuteArgs
 // So a block need not rank every entry and scan every expert (permute_small_kernel: 1.1-1.7 us
 // of ranking and 0.8 us of scan at T=64, H200); it answers at most 32 queries in one round: the
 // entries with a local expert (where unused rows start), the group sizes of a share of the
-// experts, and the rows of its token's K entries. Each query counts the keys k with lo <= k < hi
-// plus those with k == hi at an index below j: one comparison per held entry, a warp sum per
-// query, one barrier for the block's sum. It loads its chunk of the token row first. (H200,
-// T=64, Mixtral / Qwen3 / DeepSeek: ranked 3.3 / 4.4 / 5.6 us; two rounds of queries, five
-// barriers 2.7 / 3.8 / 5.2; this 2.2 / 3.0 / 4.4; with no count at all, wrong rows, 1.9 / 2.3 / 3.6.)
+// experts, and the rows of its token's K entries. An entry is held as one packed key, local
+// expert * kSmallMaxEntries + index, so that every query (entries of an expert; entries before
+// (expert, index)) is one range of keys: a subtraction and an unsigned comparison per held entry,
+// a warp sum per query, one barrier for the block's sum. It loads its chunk of the token row
+// first. (H200, T=64, Mixtral / Qwen3 / DeepSeek: ranked 3.3 / 4.4 / 5.6 us; two rounds of
+// queries, five barriers 2.7 / 3.8 / 5.2; one round 2.2 / 3.0 / 4.4; packed keys 2.2 / 2.8 / 4.25;
+// with no count at all, wrong rows, 1.9 / 2.3 / 3.6.)
 constexpr int kMaxCountQueries = 32;  // one per lane of warp 0, which sets and sums them
+constexpr int32_t kKeyStride = kSmallMaxEntries;  // packed key = local expert * kKeyStride + index
 
 template <int kItems, typename V>
 __global__ void __launch_bounds__(kSmallThreads) permute_counted_kernel(PermuteArgs a) {
@@ -767,8 +770,8 @@ __global__ void __launch_bounds__(kSmallThreads) permute_counted_kernel(PermuteA
   const int32_t n = static_cast<int32_t>(a.tokens * a.topk), L = a.num_local;
   const SmallRows<V> rows(a, b);
   // This block's (token, chunk): the grid has one block per unit (one block when T = 0).
-  const int32_t t = static_cast<int32_t>(blockIdx.x / rows.chunks), i0 = t * static_cast<int32_t>(a.topk);
-  const int64_t c = blockIdx.x % rows.chunks;
+  const int32_t chunks = static_cast<int32_t>(rows.chunks), t = static_cast<int32_t>(blockIdx.x) / chunks;
+  const int32_t i0 = t * static_cast<int32_t>(a.topk), c = static_cast<int32_t>(blockIdx.x) - t * chunks;
   const V value = t < a.tokens ? rows.load(t, c) : V{};
   const int32_t* ids = a.ids + b * a.ids_bstride;
   const int32_t* map = a.expert_map ? a.expert_map + b * a.map_bstride : nullptr;
@@ -776,11 +779,12 @@ __global__ void __launch_bounds__(kSmallThreads) permute_counted_kernel(PermuteA
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int32_t j = i * kSmallThreads + threadIdx.x;
-    key[i] = j < n ? local_expert(ids[j], map, a.num_experts, L) : L;
+    key[i] = (j < n ? local_expert(ids[j], map, a.num_experts, L) : L) * kKeyStride + j;
   }
 
-  // Lane q sets query q: 0 counts entries with a local expert; 1..S the group sizes of experts
-  // blockIdx.x + m * gridDim.x; S + 1 + k the row of the token's entry k.
+  // Lane q sets query q, the keys [first, first + span): 0 counts entries with a local expert;
+  // 1..S the group sizes of experts blockIdx.x + m * gridDim.x; S + 1 + k the row of the token's
+  // entry k. (S <= 31 keeps L and every key below 2^31.)
   const int32_t S = (L + gridDim.x - 1) / gridDim.x, K = t < a.tokens ? static_cast<int32_t>(a.topk) : 0;
   const int Q = 1 + S + K, lane = threadIdx.x % 32;
   int32_t lo = 0, hi = L, below = 0, entry_key = L;
@@ -792,20 +796,17 @@ __global__ void __launch_bounds__(kSmallThreads) permute_counted_kernel(PermuteA
     entry_key = local_expert(ids[below], map, a.num_experts, L);
     hi = entry_key;
   }
-  const int32_t bounds = lo << 16 | hi;
+  const int32_t first = lo * kKeyStride, span = hi * kKeyStride + below - first;
   int32_t mine = 0;
   for (int q0 = 0; q0 < Q; q0 += 4) {  // four queries at a time keep four warp sums in flight
     int32_t sum[4];
 #pragma unroll
     for (int d = 0; d < 4; ++d) {
-      const int32_t qb = __shfl_sync(0xffffffffu, bounds, q0 + d), qj = __shfl_sync(0xffffffffu, below, q0 + d);
-      const int32_t qlo = qb >> 16, qhi = qb & 0xffff;
+      const int32_t qfirst = __shfl_sync(0xffffffffu, first, q0 + d);
+      const uint32_t qspan = __shfl_sync(0xffffffffu, span, q0 + d);
       sum[d] = 0;
 #pragma unroll
-      for (int i = 0; i < kItems; ++i) {
-        const int32_t k = key[i], j = i * kSmallThreads + threadIdx.x;
-        sum[d] += (k >= qlo && k < qhi) || (k == qhi && j < qj);
-      }
+      for (int i = 0; i < kItems; ++i) sum[d] += static_cast<uint32_t>(key[i] - qfirst) < qspan;
     }
 #pragma unroll
     for (int d = 0; d < 4; ++d) {
@@ -979,6 +980,23 @@ __global__ void __launch_bounds__(kGatherThreads) unpermute_few_kernel(Unpermute
   for (int j = 0; j < kFewMaxK; ++j)
     if (r[j] >= 0) add_weighted(raw[j], w[j], acc);  // skipped, not added as 0: keeps -0.0 and NaN rules
   store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
+}
+
+// How many times (1, 2, 4 or 8) to narrow the lean kernel's access of `vec` elements of
+// `elem_bytes` for `items` output rows of `row_bytes`. On grids this small the time follows the bytes each block loads
+// and the blocks each multiprocessor runs: halve the access while each thread still loads more
+// than 16 bytes over its K rows, the access stays >= 2 bytes and the grid stays within half the
+// multiprocessors. (H200, bf16, T = 1 to 32, three models: the fastest width, or within 0.04 us
+// of it, at all 18 points; BENCHMARKS.md item 50.)
+int few_access_split(int64_t items, int64_t row_bytes, int64_t topk, int64_t elem_bytes, int vec) {
+  int split = 1;
+  while (split < 8 && vec % (2 * split) == 0) {
+    const int64_t narrow = elem_bytes * vec / (2 * split), per_block = int64_t{kGatherThreads} * narrow;
+    const int64_t blocks = items * ((row_bytes + per_block - 1) / per_block);
+    if (narrow < 2 || topk * 2 * narrow <= 16 || 2 * blocks > multiprocessors()) break;
+    split *= 2;
+  }
+  return split;
 }
 
 dim3 gather_grid(int64_t items, int64_t hidden, int vec) {
@@ -1520,9 +1538,19 @@ cudaError_t launch_unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
   const bool fills_gpu = int64_t{grid.x} * grid.y >= 4 * multiprocessors();
   if (!fills_gpu && a.topk <= kFewMaxK && a.tokens <= 65535 && a.batch <= 65535 &&
       a.hidden_size < (int64_t{1} << 30)) {
-    unpermute_few_kernel<X, O, V><<<dim3(grid.y, static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.batch)),
-                                    kGatherThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    auto launch = [&](auto width) {
+      constexpr int W = decltype(width)::value;  // divides V, so H and the row bases stay aligned to it
+      const int64_t per_block = int64_t{kGatherThreads} * W;
+      unpermute_few_kernel<X, O, W><<<dim3(static_cast<unsigned>((a.hidden_size + per_block - 1) / per_block),
+                                           static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.batch)),
+                                      kGatherThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    };
+    const int split = few_access_split(a.batch * a.tokens, a.hidden_size * int64_t{sizeof(X)}, a.topk, sizeof(X), V);
+    if constexpr (V % 8 == 0) if (split == 8) return launch(std::integral_constant<int, V / 8>{});
+    if constexpr (V % 4 == 0) if (split == 4) return launch(std::integral_constant<int, V / 4>{});
+    if constexpr (V % 2 == 0) if (split == 2) return launch(std::integral_constant<int, V / 2>{});
+    return launch(std::integral_constant<int, V>{});
   }
   if (a.topk <= 2) unpermute_kernel<X, O, V, 2><<<grid, kGatherThreads, 0, stream>>>(a);
   else if (fills_gpu) unpermute_kernel<X, O, V, 4><<<grid, kGatherThreads, 0, stream>>>(a);

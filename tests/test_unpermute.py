@@ -39,6 +39,15 @@ def test_matches_reference(T, R, H, K, weights_dtype):
     check(x, random_row_map(T, K, R), w)
 
 
+# On CUDA, grids that small narrow each thread's access (16 bytes down to 2) by K and grid size:
+# bf16 (T, K) = (1, 2) takes 8 bytes, (2, 8) at H = 7168 4 bytes, (2, 8) at H = 2048 2 bytes;
+# (3, 4) 8 bytes again; float32 and float8 stop at their own limits.
+@pytest.mark.parametrize("T,R,H,K", [(1, 40, 4096, 2), (2, 30, 7168, 8), (2, 60, 2048, 8), (3, 50, 7168, 4)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_small_grids_match_reference(T, R, H, K, dtype):
+    check(random_float((R, H), dtype), random_row_map(T, K, R), random_float((T, K), jnp.float32))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("jit", [False, True])
