@@ -927,9 +927,8 @@ __global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), k
 // kFewMaxK row indices and weights read at once. (H200, T=1, Mixtral / Qwen3 / DeepSeek: 1.44 /
 // 1.73 / 1.76 us with unpermute_kernel, 1.54 / 1.57 / 1.60 with this kernel's first form,
 // 1.31 / 1.47 / 1.47-1.50 with WeightReader, 1.25 / 1.31 / 1.35 with few_access_split's narrower
-// accesses; XLA's fused gather 1.02 / 1.18 / 1.25. The stages,
-// timed by cutting the kernel short: launch 0.5 us, + the store 0.74, + the row map's load 0.84,
-// + one row's load 1.12.)
+// accesses; XLA's fused gather 1.02 / 1.18 / 1.25. The stages, timed by cutting the kernel
+// short: launch 0.5 us, + the store 0.74, + the row map's load 0.84, + one row's load 1.12.)
 constexpr int kFewMaxK = 8;
 
 // Reads weights in two steps: raw bits by predicated loads of the width their dtype has (no
@@ -984,11 +983,11 @@ __global__ void __launch_bounds__(kGatherThreads) unpermute_few_kernel(Unpermute
 }
 
 // How many times (1, 2, 4 or 8) to narrow the lean kernel's access of `vec` elements of
-// `elem_bytes` for `items` output rows of `row_bytes`. On grids this small the time follows the bytes each block loads
-// and the blocks each multiprocessor runs: halve the access while each thread still loads more
-// than 16 bytes over its K rows, the access stays >= 2 bytes and the grid stays within half the
-// multiprocessors. (H200, bf16, T = 1 to 32, three models: the fastest width, or within 0.04 us
-// of it, at all 18 points; BENCHMARKS.md item 50.)
+// `elem_bytes`, for `items` output rows of `row_bytes`. On grids this small the time follows the
+// bytes each block loads and the blocks each multiprocessor runs: halve the access while each
+// thread still loads more than 16 bytes over its K rows, the access stays >= 2 bytes and the grid
+// stays within half the multiprocessors. (H200, bf16, T = 1 to 32, three models: the fastest
+// width, or within 0.04 us of it, at all 18 points; BENCHMARKS.md item 50.)
 int few_access_split(int64_t items, int64_t row_bytes, int64_t topk, int64_t elem_bytes, int vec) {
   int split = 1;
   while (split < 8 && vec % (2 * split) == 0) {
