@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <optional>
+#include <type_traits>
 #include <string>
 
 #include "grouped_gemm.h"

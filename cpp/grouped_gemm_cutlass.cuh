@@ -226,7 +226,7 @@ cudaError_t run_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (cudaError_t err = zero_uncovered(a, L, sizeof(E), problems > 0 ? group_rows : nullptr, row_ends, stream);
       err != cudaSuccess)
     return err;
-  if (problems == 0 || a.k == 0 || a.n == 0 || (L == Layout::kWeightGrad ? false : a.rows == 0)) return cudaSuccess;
+  if (problems == 0 || a.rows == 0 || a.k == 0 || a.n == 0) return cudaSuccess;  // nothing to multiply
 
   typename Config::Gemm gemm;
   auto args = make_arguments<Config>(a, ws, w);
