@@ -52,7 +52,7 @@ def main():
         out = jax.vmap(jmp.ragged_dot, (0, None, 0))(lhs, rhs, gs)
         for v in range(3):
             check(out[v], jax.lax.ragged_dot(lhs[v].astype(jnp.float32), rhs.astype(jnp.float32), gs[v]), dtype)
-    print("sanitize_gemm_cases: all cases ok")
+    print("SANITIZE GEMM CASES DONE")
 
 
 if __name__ == "__main__":
