@@ -7,6 +7,9 @@
 
 #include "cuda_kernels.h"
 #include "ffi_handlers.h"
+#ifdef MOE_HAS_GROUPED_GEMM
+#include "ffi_grouped_gemm.h"  // grouped GEMM (ragged_dot)
+#endif
 
 namespace nb = nanobind;
 
@@ -33,6 +36,10 @@ NB_MODULE(_cuda, m) {
     d["scatter"] = capsule(MoeScatterCuda);
     d["weight_grad"] = capsule(MoeWeightGradCuda);
     d["unpermute_bwd"] = capsule(MoeUnpermuteBwdCuda);
+#ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
+    d["ragged_dot"] = capsule(MoeRaggedDotCuda);
+    d["ragged_dot_weight_grad"] = capsule(MoeRaggedDotWeightGradCuda);
+#endif
     return d;
   });
   m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {
@@ -44,4 +51,7 @@ NB_MODULE(_cuda, m) {
   m.def("scatter_workspace_bytes", [](int64_t batch, int64_t entries, int64_t rows) {
     return workspace_bytes(moe::cuda::scatter_workspace_bytes, batch, entries, rows);
   });
+#ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
+  m.def("ragged_dot_workspace_bytes", &moe::gemm::ragged_dot_workspace_bytes);
+#endif
 }

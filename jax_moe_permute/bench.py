@@ -230,9 +230,14 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
 
     ops = args.ops.split(",")
+    if {"ragged_dot", "ragged_dot_bwd"} & set(ops):  # the grouped GEMM: its own problems, options, table
+        from . import bench_gemm
+        return bench_gemm.main(argv)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     jobs = []
     for model in args.model.split(","):
         tokens = MODELS[model][3]

@@ -1,0 +1,17 @@
+// The XLA FFI handler symbols of the grouped GEMM (ragged_dot) and its workspace size, built only
+// with the CUTLASS sm90a units (MOE_HAS_GROUPED_GEMM).
+#pragma once
+
+#include <cstdint>
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* MoeRaggedDotCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeRaggedDotWeightGradCuda(XLA_FFI_CallFrame* call_frame);
+}
+
+namespace moe::gemm {
+// Workspace bytes of one call: layout and dtype as in grouped_gemm.h, problems = batch * groups.
+int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t problems, int64_t batch);
+}  // namespace moe::gemm

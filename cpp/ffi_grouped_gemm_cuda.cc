@@ -1,0 +1,150 @@
+// XLA FFI handlers of the grouped GEMM: check the buffers, fill GroupedGemmArgs, dispatch on
+// dtype and layout to one CUTLASS instantiation, launch on XLA's stream.
+#include "ffi_grouped_gemm.h"
+
+#include <cuda_runtime.h>
+
+#include <optional>
+#include <type_traits>
+#include <string>
+
+#include "grouped_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace moe::gemm {
+namespace {
+
+namespace ffi = xla::ffi;
+using I32Buffer = ffi::Buffer<ffi::S32>;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument("jax_moe_permute: " + what); }
+
+std::optional<Dtype> gemm_dtype(ffi::DataType t) {
+  if (t == ffi::DataType::BF16) return Dtype::kBf16;
+  if (t == ffi::DataType::F16) return Dtype::kF16;
+  return std::nullopt;
+}
+
+template <Dtype D>
+cudaError_t dispatch_layout(Layout layout, const GroupedGemmArgs& a, cudaStream_t stream) {
+  switch (layout) {
+    case Layout::kForward: return grouped_gemm<D, Layout::kForward>(a, stream);
+    case Layout::kTransposedRhs: return grouped_gemm<D, Layout::kTransposedRhs>(a, stream);
+    case Layout::kWeightGrad: return grouped_gemm<D, Layout::kWeightGrad>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Batch stride of an operand whose leading extent is 1 (broadcast) or `batch`.
+std::optional<int64_t> batch_stride(int64_t extent, int64_t batch, int64_t per_example) {
+  if (extent != 1 && extent != batch) return std::nullopt;
+  return extent == 1 ? 0 : per_example;
+}
+
+ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmArgs& a, ffi::AnyBuffer& lhs,
+                  ffi::AnyBuffer& rhs, I32Buffer& sizes, int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {
+  auto ls = batch_stride(lhs.dimensions()[0], a.batch, lhs_per);
+  auto rs = batch_stride(rhs.dimensions()[0], a.batch, rhs_per);
+  auto ss = batch_stride(sizes.dimensions()[0], a.batch, a.groups);
+  if (!ls || !rs || !ss) return invalid("ragged_dot: leading batch extents must be 1 or the output's");
+  if (a.k % 8 != 0 || a.n % 8 != 0) return invalid("ragged_dot: K and N must be multiples of 8 (16-byte rows)");
+  a.lhs_batch_stride = *ls;
+  a.rhs_batch_stride = *rs;
+  a.sizes_batch_stride = *ss;
+  a.lhs = lhs.untyped_data();
+  a.rhs = rhs.untyped_data();
+  a.group_sizes = sizes.typed_data();
+  a.workspace = workspace.untyped_data();
+  a.workspace_bytes = int64_t(workspace.size_bytes());
+  if (a.workspace_bytes < ragged_dot_workspace_bytes(int64_t(layout), int64_t(dtype), a.batch * a.groups, a.batch))
+    return invalid("ragged_dot: workspace too small");
+  cudaError_t err = dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, a, stream)
+                                          : dispatch_layout<Dtype::kF16>(layout, a, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// out[b] [M, N] = ragged rows of lhs[b] [M, K] times rhs[b, g] ([K, N], or [N, K] when rhs_transposed).
+ffi::Error RaggedDot(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                     int64_t rhs_transposed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out->dimensions();
+  if (ld.size() != 3 || rd.size() != 4 || sd.size() != 2 || od.size() != 3)
+    return invalid("ragged_dot: expected lhs [B, M, K], rhs [B, G, K, N], group_sizes [B, G], out [B, M, N]");
+  auto dtype = gemm_dtype(lhs.element_type());
+  if (!dtype || rhs.element_type() != lhs.element_type() || out->element_type() != lhs.element_type())
+    return invalid("ragged_dot: lhs, rhs and out must all be bfloat16 or all float16");
+  GroupedGemmArgs a;
+  a.batch = od[0];
+  a.rows = od[1];
+  a.n = od[2];
+  a.k = ld[2];
+  a.groups = rd[1];
+  const int64_t rk = rhs_transposed ? rd[3] : rd[2], rn = rhs_transposed ? rd[2] : rd[3];
+  if (ld[1] != a.rows || rk != a.k || rn != a.n || sd[1] != a.groups)
+    return invalid("ragged_dot: operand shapes do not agree");
+  a.out = out->untyped_data();
+  return launch(stream, *dtype, rhs_transposed ? Layout::kTransposedRhs : Layout::kForward, a, lhs, rhs, sizes,
+                a.rows * a.k, a.groups * a.k * a.n, *workspace);
+}
+
+// out[b, g] [K, N] = lhs[b] rows of g ([rows, K]) transposed times rhs[b] rows of g ([rows, N]).
+ffi::Error RaggedDotWeightGrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out->dimensions();
+  if (ld.size() != 3 || rd.size() != 3 || sd.size() != 2 || od.size() != 4)
+    return invalid("ragged_dot weight grad: expected lhs [B, M, K], rhs [B, M, N], group_sizes [B, G], "
+                   "out [B, G, K, N]");
+  auto dtype = gemm_dtype(lhs.element_type());
+  if (!dtype || rhs.element_type() != lhs.element_type() || out->element_type() != lhs.element_type())
+    return invalid("ragged_dot weight grad: lhs, rhs and out must all be bfloat16 or all float16");
+  GroupedGemmArgs a;
+  a.batch = od[0];
+  a.groups = od[1];
+  a.k = od[2];
+  a.n = od[3];
+  a.rows = ld[1];
+  if (rd[1] != a.rows || ld[2] != a.k || rd[2] != a.n || sd[1] != a.groups)
+    return invalid("ragged_dot weight grad: operand shapes do not agree");
+  a.out = out->untyped_data();
+  return launch(stream, *dtype, Layout::kWeightGrad, a, lhs, rhs, sizes, a.rows * a.k, a.rows * a.n, *workspace);
+}
+
+}  // namespace
+
+int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t problems, int64_t batch) {
+  auto of = [&](auto d) -> int64_t {
+    constexpr Dtype D = decltype(d)::value;
+    switch (Layout(layout)) {
+      case Layout::kForward: return grouped_gemm_workspace_bytes<D, Layout::kForward>(problems, batch);
+      case Layout::kTransposedRhs: return grouped_gemm_workspace_bytes<D, Layout::kTransposedRhs>(problems, batch);
+      case Layout::kWeightGrad: return grouped_gemm_workspace_bytes<D, Layout::kWeightGrad>(problems, batch);
+    }
+    return -1;
+  };
+  if (Dtype(dtype) == Dtype::kBf16) return of(std::integral_constant<Dtype, Dtype::kBf16>{});
+  return of(std::integral_constant<Dtype, Dtype::kF16>{});
+}
+
+}  // namespace moe::gemm
+
+// Not marked kCmdBufferCompatible: CUTLASS's initialize() builds kernel parameters on the host
+// at each call, which a replayed command buffer would skip.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotCuda, moe::gemm::RaggedDot,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<moe::gemm::I32Buffer>()
+                                  .Attr<int64_t>("rhs_transposed")
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotWeightGradCuda, moe::gemm::RaggedDotWeightGrad,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<moe::gemm::I32Buffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());

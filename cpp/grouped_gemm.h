@@ -1,0 +1,53 @@
+// Grouped GEMM over ragged row groups (jax.lax.ragged_dot and its two gradients) on sm90:
+// the argument struct, the launcher declarations, and the workspace layout they share.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe::gemm {
+
+// The three GEMMs of ragged_dot's forward and backward, named by how the second operand is stored.
+enum class Layout : int {
+  kForward = 0,        // out[b, rows of g, :] = lhs[b, rows of g, :] · rhs[b, g]      rhs [G, K, N]
+  kTransposedRhs = 1,  // out[b, rows of g, :] = lhs[b, rows of g, :] · rhs[b, g]ᵀ     rhs [G, N, K]
+  kWeightGrad = 2,     // out[b, g] = lhs[b, rows of g, :]ᵀ · rhs[b, rows of g, :]    lhs [M, K], rhs [M, N]
+};
+
+enum class Dtype : int { kBf16 = 0, kF16 = 1 };
+
+// One launch covers batch * groups problems. Offsets are in elements; a batch stride of 0
+// broadcasts an operand of leading extent 1. Group g of batch b holds the rows
+// [start, start + size) with start = min(sum of earlier sizes, rows), size clamped to [0, rows - start].
+struct GroupedGemmArgs {
+  int64_t batch = 0, groups = 0;
+  int64_t rows = 0;  // M: rows of lhs (and of rhs for kWeightGrad)
+  int64_t k = 0;     // columns of lhs
+  int64_t n = 0;     // columns of the output (kForward, kTransposedRhs) or of rhs (kWeightGrad)
+  const void* lhs = nullptr;
+  const void* rhs = nullptr;
+  const int32_t* group_sizes = nullptr;
+  void* out = nullptr;
+  int64_t lhs_batch_stride = 0, rhs_batch_stride = 0, sizes_batch_stride = 0;
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+};
+
+// Bytes of workspace for `problems` = batch * groups problems: per-problem shapes, pointers and
+// strides, per-batch row ends, and CUTLASS's own workspace.
+template <Dtype D, Layout L>
+int64_t grouped_gemm_workspace_bytes(int64_t problems, int64_t batch);
+
+template <Dtype D, Layout L>
+cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// Zero the output rows no group covers (kForward, kTransposedRhs) or the weight gradients of
+// groups without rows (kWeightGrad); reads the sizes the setup kernel left in the workspace.
+cudaError_t zero_uncovered(const GroupedGemmArgs& args, Layout layout, int64_t element_bytes,
+                           const int32_t* group_rows, const int64_t* row_ends, cudaStream_t stream);
+
+// Number of multiprocessors of the current device, queried once per device.
+int sm_count();
+
+}  // namespace moe::gemm

@@ -1,0 +1,13 @@
+// Grouped GEMM instantiation: float16, out = lhs · rhs[g] (forward).
+#include "grouped_gemm_cutlass.cuh"
+
+namespace moe::gemm {
+namespace {
+using Config = GroupedGemmConfig<Dtype::kF16, Layout::kForward,
+                                 cute::Shape<cute::_128, cute::_256, cute::_64>,  // tile (M, N, K)
+                                 cute::Shape<cute::_1, cute::_2, cute::_1>,       // cluster: A multicast along N
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+}  // namespace
+MOE_GROUPED_GEMM_INSTANCE(Dtype::kF16, Layout::kForward, Config)
+}  // namespace moe::gemm

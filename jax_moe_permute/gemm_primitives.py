@@ -1,0 +1,281 @@
+"""The two primitives behind `jax_moe_permute.ragged_dot`, with abstract evaluation, lowering
+(our CUTLASS grouped GEMM on sm_90, jax.lax.ragged_dot elsewhere), batching and autodiff rules.
+
+  ragged_dot         (lhs [B, M, K], rhs [B, G, K, N], group_sizes [B, G]) -> out [B, M, N]
+                     out[b, rows of g] = lhs[b, rows of g] · rhs[b, g]
+                     (rhs_transposed: rhs [B, G, N, K] and out[b, rows of g] = lhs[...] · rhs[b, g]ᵀ)
+  ragged_dot_wgrad   (lhs [B, M, K], rhs [B, M, N], group_sizes [B, G]) -> out [B, G, K, N]
+                     out[b, g] = lhs[b, rows of g]ᵀ · rhs[b, rows of g]
+
+Group g holds the next group_sizes[g] rows after those of groups < g; rows past the sum give
+zero output rows (ragged_dot) and contribute nothing (ragged_dot_wgrad); groups without rows
+give zero weight gradients. Both are bilinear in (lhs, rhs) and each one's transposes are the
+other or itself with rhs_transposed flipped, so derivatives of any order stay on these kernels:
+
+  d lhs of ragged_dot        = ragged_dot(ct, rhs, rhs_transposed=not rhs_transposed)
+  d rhs of ragged_dot        = ragged_dot_wgrad(lhs, ct)   (wgrad(ct, lhs) when rhs_transposed)
+  d lhs of ragged_dot_wgrad  = ragged_dot(rhs, ct, rhs_transposed=True)
+  d rhs of ragged_dot_wgrad  = ragged_dot(lhs, ct)
+
+Every operand carries a leading batch axis of extent B or 1 (broadcast, read with batch
+stride 0), as the permute primitives do: a vmapped call is one launch of B * G problems.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _compat, _native
+
+ragged_dot_p = Primitive("jax_moe_permute_ragged_dot")
+ragged_dot_wgrad_p = Primitive("jax_moe_permute_ragged_dot_wgrad")
+
+# Element types of the CUTLASS kernels (inputs and output alike), with the codes of grouped_gemm.h.
+_KERNEL_DTYPES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
+_LAYOUT_FORWARD, _LAYOUT_TRANSPOSED_RHS, _LAYOUT_WEIGHT_GRAD = 0, 1, 2
+_INT32_MAX = 2**31 - 1
+
+
+def _batch(*avals) -> int:
+    sizes = {a.shape[0] for a in avals}
+    batch = max(sizes)
+    if not sizes <= {1, batch}:
+        raise ValueError(f"jax_moe_permute.ragged_dot: inconsistent batch extents {sorted(sizes)}")
+    return batch
+
+
+# ---- abstract evaluation ------------------------------------------------------------------
+
+def _ragged_dot_abstract(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
+    n = rhs.shape[2] if rhs_transposed else rhs.shape[3]
+    shape = (_batch(lhs, rhs, group_sizes), lhs.shape[1], n)
+    return _compat.shaped_like((lhs, rhs, group_sizes), shape, out_dtype)
+
+
+def _ragged_dot_wgrad_abstract(lhs, rhs, group_sizes, *, out_dtype, precision):
+    shape = (_batch(lhs, rhs, group_sizes), group_sizes.shape[1], lhs.shape[2], rhs.shape[2])
+    return _compat.shaped_like((lhs, rhs, group_sizes), shape, out_dtype)
+
+
+# ---- reference lowering (CPU, other GPUs, unsupported dtypes or shapes) ---------------------
+
+def _per_example(fn, args):
+    """Applies single-example `fn` over the leading batch axis, broadcasting extent-1 operands."""
+    B = max(a.shape[0] for a in args)
+    if B == 1:
+        return fn(*[a[0] for a in args])[None]
+    # jax.lax.ragged_dot's batching rule takes only operands batched along axis 0.
+    return jax.vmap(fn)(*[jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in args])
+
+
+def _common_dtype(a, b):
+    """jax.lax's dots take one input dtype; a float32 cotangent meets bfloat16 weights in AD."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+def _ref_ragged_dot(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
+    def one(a, w, sizes):
+        a, w = _common_dtype(a, jnp.swapaxes(w, 1, 2) if rhs_transposed else w)
+        return jax.lax.ragged_dot(a, w, sizes, precision=precision, preferred_element_type=out_dtype)
+    return _per_example(one, [lhs, rhs, group_sizes])
+
+
+_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _ref_ragged_dot_wgrad(lhs, rhs, group_sizes, *, out_dtype, precision):
+    def one(a, b, sizes):
+        a, b = _common_dtype(a, b)
+        return jax.lax.ragged_dot_general(a, b, sizes, _WGRAD_DIMS, precision=precision,
+                                          preferred_element_type=out_dtype)
+    return _per_example(one, [lhs, rhs, group_sizes])
+
+
+_lower_ref_ragged_dot = mlir.lower_fun(_ref_ragged_dot, multiple_results=False)
+_lower_ref_ragged_dot_wgrad = mlir.lower_fun(_ref_ragged_dot_wgrad, multiple_results=False)
+
+
+# ---- CUDA lowering: our FFI targets on sm_90 -------------------------------------------------
+
+@functools.cache
+def _gpu_is_sm90() -> bool:
+    """Whether the first GPU is a Hopper (sm_90): the CUTLASS units are built for sm_90a only."""
+    try:
+        return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
+    except RuntimeError:
+        return False
+
+
+def kernels_available() -> bool:
+    """Whether ragged_dot runs on our grouped GEMM here (else it lowers to jax.lax.ragged_dot)."""
+    return _native.has_target("cuda", "ragged_dot") and _gpu_is_sm90()
+
+
+def _kernel_fits(avals_in, aval_out, k: int, n: int) -> bool:
+    """The kernels take bf16/f16 inputs and output of one dtype, 16-byte rows (K, N multiples
+    of 8 elements for TMA) and int32 problem extents."""
+    dtypes = {a.dtype for a in avals_in[:2]} | {aval_out.dtype}
+    extents_ok = all(d <= _INT32_MAX for a in avals_in for d in a.shape)
+    return (len(dtypes) == 1 and aval_out.dtype in _KERNEL_DTYPES and k % 8 == 0 and n % 8 == 0
+            and extents_ok and avals_in[2].dtype == jnp.int32 and kernels_available())
+
+
+def _ffi_call(ctx, target, layout, args, **attributes):
+    """Our FFI target with one more uint8 result: the setup kernel's per-problem arrays and
+    CUTLASS's workspace (no allocation in the handler)."""
+    batch = ctx.avals_out[0].shape[0]
+    groups = ctx.avals_in[2].shape[1]
+    nbytes = _native.workspace_bytes("cuda", "ragged_dot", layout, _KERNEL_DTYPES[ctx.avals_out[0].dtype],
+                                     batch * groups, batch)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
+    return jax.ffi.ffi_lowering(_native.target(target))(ctx, *args, **attributes)[:-1]
+
+
+def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
+    out = ctx.avals_out[0]
+    if not _kernel_fits(ctx.avals_in, out, ctx.avals_in[0].shape[2], out.shape[2]):
+        return _lower_ref_ragged_dot(ctx, lhs, rhs, group_sizes, rhs_transposed=rhs_transposed,
+                                     out_dtype=out_dtype, precision=precision)
+    layout = _LAYOUT_TRANSPOSED_RHS if rhs_transposed else _LAYOUT_FORWARD
+    return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))
+
+
+def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, precision):
+    out = ctx.avals_out[0]
+    if not _kernel_fits(ctx.avals_in, out, out.shape[2], out.shape[3]):
+        return _lower_ref_ragged_dot_wgrad(ctx, lhs, rhs, group_sizes, out_dtype=out_dtype, precision=precision)
+    return _ffi_call(ctx, "ragged_dot_weight_grad", _LAYOUT_WEIGHT_GRAD, (lhs, rhs, group_sizes))
+
+
+# ---- batching: fold the vmapped axis into the leading batch axis -------------------------
+
+def _fold_vmap_axis(args, dims):
+    """Moves each vmapped axis to the front and merges it with the leading batch axis
+    (an operand not vmapped and of batch extent 1 stays broadcast: no copy)."""
+    V = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    B = max(a.shape[0] if d is None else a.shape[1] for a, d in zip(moved, dims))
+    folded = []
+    for a, d in zip(moved, dims):
+        if d is None and (a.shape[0] == 1 or V == 1):
+            folded.append(a)
+            continue
+        if d is None:
+            a = jnp.broadcast_to(a[None], (V,) + a.shape)
+        elif a.shape[1] != B:  # nested vmap: batched here, broadcast inside
+            a = jnp.broadcast_to(a, (V, B) + a.shape[2:])
+        folded.append(a.reshape((V * B,) + a.shape[2:]))
+    return folded, V
+
+
+def _batcher(p):
+    def rule(args, dims, **params):
+        folded, V = _fold_vmap_axis(args, dims)
+        out = p.bind(*folded, **params)
+        return out.reshape((V, out.shape[0] // V) + out.shape[1:]), 0
+    return rule
+
+
+# ---- autodiff ------------------------------------------------------------------------------
+
+def _bilinear_jvp(p):
+    """JVP of a primitive linear in lhs and in rhs separately (group_sizes is an integer)."""
+
+    def jvp(primals, tangents, **params):
+        lhs, rhs, group_sizes = primals
+        d_lhs, d_rhs, _ = tangents
+        out = p.bind(*primals, **params)
+        terms = []
+        if type(d_lhs) is not ad.Zero:
+            terms.append(p.bind(*_compat.pvary_to_match(d_lhs, rhs, group_sizes), **params))
+        if type(d_rhs) is not ad.Zero:
+            terms.append(p.bind(*_compat.pvary_to_match(lhs, d_rhs, group_sizes), **params))
+        if not terms:
+            return out, ad.Zero(core.ShapedArray(out.shape, out.dtype))
+        return out, sum(terms[1:], terms[0])
+
+    return jvp
+
+
+def _sum_to_batch(ct, operand):
+    """The cotangent of an operand broadcast over the batch (extent 1) sums over it."""
+    shape = operand.aval.shape if ad.is_undefined_primal(operand) else operand.shape
+    if shape[0] == 1 and ct.shape[0] != 1:
+        ct = jnp.sum(ct, axis=0, keepdims=True, dtype=jnp.float32).astype(ct.dtype)
+    return ct
+
+
+def _dtype_of(x):
+    return x.aval.dtype if ad.is_undefined_primal(x) else x.dtype
+
+
+def ragged_dot_bind(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
+    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes)
+    return ragged_dot_p.bind(lhs, rhs, group_sizes, rhs_transposed=bool(rhs_transposed),
+                             out_dtype=jnp.dtype(out_dtype), precision=precision)
+
+
+def ragged_dot_wgrad_bind(lhs, rhs, group_sizes, *, out_dtype, precision):
+    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes)
+    return ragged_dot_wgrad_p.bind(lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), precision=precision)
+
+
+def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
+    if type(ct) is ad.Zero:
+        return None, None, None
+    ct_lhs = ct_rhs = None
+    if ad.is_undefined_primal(lhs):
+        ct_lhs = ragged_dot_bind(ct, rhs, group_sizes, rhs_transposed=not rhs_transposed,
+                                 out_dtype=_dtype_of(lhs), precision=precision)
+        ct_lhs = _sum_to_batch(ct_lhs, lhs)
+    if ad.is_undefined_primal(rhs):
+        a, b = (ct, lhs) if rhs_transposed else (lhs, ct)
+        ct_rhs = ragged_dot_wgrad_bind(a, b, group_sizes, out_dtype=_dtype_of(rhs), precision=precision)
+        ct_rhs = _sum_to_batch(ct_rhs, rhs)
+    return ct_lhs, ct_rhs, None
+
+
+def _ragged_dot_wgrad_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, precision):
+    if type(ct) is ad.Zero:
+        return None, None, None
+    ct_lhs = ct_rhs = None
+    if ad.is_undefined_primal(lhs):  # d lhs[rows of g] = rhs[rows of g] · ct[g]ᵀ
+        ct_lhs = ragged_dot_bind(rhs, ct, group_sizes, rhs_transposed=True, out_dtype=_dtype_of(lhs),
+                                 precision=precision)
+        ct_lhs = _sum_to_batch(ct_lhs, lhs)
+    if ad.is_undefined_primal(rhs):  # d rhs[rows of g] = lhs[rows of g] · ct[g]
+        ct_rhs = ragged_dot_bind(lhs, ct, group_sizes, rhs_transposed=False, out_dtype=_dtype_of(rhs),
+                                 precision=precision)
+        ct_rhs = _sum_to_batch(ct_rhs, rhs)
+    return ct_lhs, ct_rhs, None
+
+
+# ---- registration: each primitive's rules in one block ------------------------------------
+
+# Eager calls run the primitive compiled on its own.
+ragged_dot_p.def_impl(jax.jit(ragged_dot_p.bind, static_argnames=("rhs_transposed", "out_dtype", "precision")))
+ragged_dot_p.def_abstract_eval(_ragged_dot_abstract)
+mlir.register_lowering(ragged_dot_p, _lower_ref_ragged_dot)
+batching.primitive_batchers[ragged_dot_p] = _batcher(ragged_dot_p)
+ad.primitive_jvps[ragged_dot_p] = _bilinear_jvp(ragged_dot_p)
+ad.primitive_transposes[ragged_dot_p] = _ragged_dot_transpose
+
+ragged_dot_wgrad_p.def_impl(jax.jit(ragged_dot_wgrad_p.bind, static_argnames=("out_dtype", "precision")))
+ragged_dot_wgrad_p.def_abstract_eval(_ragged_dot_wgrad_abstract)
+mlir.register_lowering(ragged_dot_wgrad_p, _lower_ref_ragged_dot_wgrad)
+batching.primitive_batchers[ragged_dot_wgrad_p] = _batcher(ragged_dot_wgrad_p)
+ad.primitive_jvps[ragged_dot_wgrad_p] = _bilinear_jvp(ragged_dot_wgrad_p)
+ad.primitive_transposes[ragged_dot_wgrad_p] = _ragged_dot_wgrad_transpose
+
+if _native.has_target("cuda", "ragged_dot"):
+    mlir.register_lowering(ragged_dot_p, _lower_ragged_dot_cuda, platform="cuda")
+    mlir.register_lowering(ragged_dot_wgrad_p, _lower_ragged_dot_wgrad_cuda, platform="cuda")

@@ -1,0 +1,78 @@
+"""`ragged_dot`: jax.lax.ragged_dot's contract on our CUTLASS grouped GEMM (sm_90), a drop-in.
+
+Where the kernels do not apply (CPU, GPUs other than sm_90, float32 or mixed input dtypes, an
+output dtype other than the input's, K or N not a multiple of 8, group_offset) the same
+primitives lower to jax.lax.ragged_dot, so transformations behave the same everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from .gemm_primitives import kernels_available, ragged_dot_bind
+
+__all__ = ["ragged_dot", "kernels_available"]
+
+_PRIMITIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check(lhs, rhs, group_sizes) -> None:
+    if lhs.ndim != 2:
+        raise ValueError(f"ragged_dot: lhs must be [M, K], got shape {lhs.shape}")
+    if rhs.ndim != 3:
+        raise ValueError(f"ragged_dot: rhs must be [G, K, N], got shape {rhs.shape}")
+    if group_sizes.ndim != 1:
+        raise ValueError(f"ragged_dot: group_sizes must be [G], got shape {group_sizes.shape}")
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"ragged_dot: lhs [M, K] = {lhs.shape} and rhs [G, K, N] = {rhs.shape} "
+                         "disagree on K")
+    if group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"ragged_dot: group_sizes has {group_sizes.shape[0]} groups, rhs {rhs.shape[0]}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"ragged_dot: group_sizes must be integer, got {group_sizes.dtype}")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"ragged_dot: {name} must be floating point, got {x.dtype}")
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
+               preferred_element_type=None, group_offset: jax.Array | None = None) -> jax.Array:
+    """Grouped matrix product, `jax.lax.ragged_dot`'s contract.
+
+    Args:
+      lhs: [M, K]; rows [start_g, start_g + group_sizes[g]) form group g, start_g the sum of
+        earlier sizes.
+      rhs: [G, K, N], one matrix per group.
+      group_sizes: [G] integer. Rows past sum(group_sizes) give zero output rows.
+      precision: as for jax.lax.ragged_dot (used where it lowers to it; the bf16/f16 kernels
+        always multiply in the input dtype and accumulate in float32).
+      preferred_element_type: the output dtype; default the (common) input dtype.
+      group_offset: not supported by the kernels: the call goes to jax.lax.ragged_dot.
+
+    Returns:
+      [M, N] of dtype `preferred_element_type` (default the input dtype).
+
+    On sm_90 GPUs, bfloat16 and float16 inputs with an output of the same dtype and K, N
+    multiples of 8 run our CUTLASS grouped GEMM (forward and both gradients); everything else
+    lowers to jax.lax.ragged_dot through the same primitives.
+    """
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    _check(lhs, rhs, group_sizes)
+    if group_offset is not None or lhs.dtype != rhs.dtype or lhs.dtype not in _PRIMITIVE_DTYPES:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                  preferred_element_type=preferred_element_type, group_offset=group_offset)
+    out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes.astype(jnp.int32))
+    out = ragged_dot_bind(lhs[None], rhs[None], group_sizes[None], rhs_transposed=False, out_dtype=out_dtype,
+                          precision=_hashable(precision))
+    return out[0]
+
+
+def _hashable(precision):
+    """Primitive parameters must hash: lists of precisions become tuples."""
+    if isinstance(precision, list):
+        return tuple(precision)
+    return precision
+

@@ -1,0 +1,310 @@
+"""jax_moe_permute.ragged_dot against jax.lax.ragged_dot in float32 with precision=HIGHEST:
+forward, both gradients, second order, vmap, jit, shard_map (vma) and edge group sizes.
+
+On CPU (and other GPUs than sm_90) this exercises the primitives' rules over the fallback
+lowering; on an sm_90 GPU the bf16 / f16 cases run our CUTLASS kernels (test_kernels_used
+checks that they do)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_moe_permute as jmp
+from jax_moe_permute.grouped_gemm import kernels_available
+
+from conftest import fresh_key, needs_gpu, on_gpu, random_float
+
+HIGHEST = jax.lax.Precision.HIGHEST
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# Relative to the largest reference magnitude: the output is rounded to the input dtype.
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1.6e-2, jnp.dtype(jnp.float16): 2e-3}
+
+
+def ref_ragged_dot(lhs, rhs, sizes):
+    return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, precision=HIGHEST)
+
+
+def assert_matches(out, ref, dtype):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    scale = max(float(np.abs(ref).max(initial=0.0)), 1.0)
+    tol = TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+def random_sizes(G, M, empty_fraction=0.3):
+    """Random group sizes summing to at most M, some groups empty."""
+    k1, k2 = jax.random.split(fresh_key())
+    w = jax.random.uniform(k1, (G,)) * (jax.random.uniform(k2, (G,)) > empty_fraction)
+    sizes = np.floor(np.asarray(w) / max(float(w.sum()), 1e-6) * M).astype(np.int32)
+    return jnp.asarray(sizes)
+
+
+def edge_cases(M, G):
+    """(name, group sizes) of the edges of the contract."""
+    one = np.zeros(G, np.int32)
+    one[G // 2] = M
+    empty = np.zeros(G, np.int32)
+    empty[::2] = M // max(1, (G + 1) // 2)
+    short = np.full(G, M // (2 * G), np.int32)
+    over = np.full(G, M // G + 3, np.int32)
+    return [("random", random_sizes(G, M)), ("one_group", jnp.asarray(one)), ("empty_groups", jnp.asarray(empty)),
+            ("sum_below_m", jnp.asarray(short)), ("sum_above_m", jnp.asarray(over)),
+            ("all_empty", jnp.zeros(G, jnp.int32))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(6))
+def test_forward_edges(dtype, case):
+    M, K, N, G = 200, 64, 48, 5
+    name, sizes = edge_cases(M, G)[case]
+    lhs, rhs = random_float((M, K), dtype), random_float((G, K, N), dtype)
+    out = jax.jit(jmp.ragged_dot)(lhs, rhs, sizes)
+    assert out.dtype == jnp.dtype(dtype), name
+    ref = ref_ragged_dot(lhs, rhs, sizes)
+    assert_matches(out, ref, dtype)
+    end = min(int(np.sum(np.asarray(sizes))), M)
+    assert np.all(np.asarray(out[end:], np.float32) == 0), f"{name}: rows past the sum must be zero"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8, 8, 1), (0, 16, 8, 3), (37, 24, 40, 1), (64, 12, 20, 4), (50, 16, 13, 3),
+                                   (3, 128, 64, 64)], ids=["m1", "m0", "g1", "k_not8", "n_not8", "decode"])
+def test_forward_shapes(dtype, shape):
+    M, K, N, G = shape
+    lhs, rhs = random_float((M, K), dtype), random_float((G, K, N), dtype)
+    sizes = random_sizes(G, M, empty_fraction=0.5 if G > 8 else 0.0)
+    out = jmp.ragged_dot(lhs, rhs, sizes)
+    assert out.shape == (M, N) and out.dtype == jnp.dtype(dtype)
+    assert_matches(out, ref_ragged_dot(lhs, rhs, sizes), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_preferred_element_type_float32(dtype):
+    M, K, N, G = 96, 32, 24, 4
+    lhs, rhs, sizes = random_float((M, K), dtype), random_float((G, K, N), dtype), random_sizes(G, M)
+    out = jmp.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_ragged_dot(lhs, rhs, sizes)), rtol=1e-4, atol=1e-3)
+
+
+def test_mixed_dtypes_and_group_offset_go_to_lax():
+    M, K, N, G = 40, 16, 8, 3
+    lhs, rhs, sizes = random_float((M, K), jnp.bfloat16), random_float((G, K, N), jnp.float32), random_sizes(G, M)
+    np.testing.assert_array_equal(np.asarray(jmp.ragged_dot(lhs, rhs, sizes)),
+                                  np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)))
+
+
+def grads_of(fn, lhs, rhs, sizes, cot):
+    _, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+    return vjp(cot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(6))
+def test_gradients(dtype, case):
+    M, K, N, G = 160, 32, 40, 6
+    name, sizes = edge_cases(M, G)[case]
+    lhs, rhs = random_float((M, K), dtype), random_float((G, K, N), dtype)
+    cot = random_float((M, N), dtype)
+    d_lhs, d_rhs = jax.jit(lambda a, b, c: grads_of(jmp.ragged_dot, a, b, sizes, c))(lhs, rhs, cot)
+    assert d_lhs.dtype == jnp.dtype(dtype) and d_rhs.dtype == jnp.dtype(dtype)
+    r_lhs, r_rhs = grads_of(ref_ragged_dot, lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
+                            cot.astype(jnp.float32))
+    assert_matches(d_lhs, r_lhs, dtype)
+    assert_matches(d_rhs, r_rhs, dtype)
+    empty = np.asarray(sizes) == 0
+    if name != "sum_above_m":
+        assert np.all(np.asarray(d_rhs, np.float32)[empty] == 0), f"{name}: groups without rows get zero dW"
+    end = min(int(np.sum(np.asarray(sizes))), M)
+    assert np.all(np.asarray(d_lhs[end:], np.float32) == 0)
+
+
+def test_check_grads_order2():
+    """Finite differences (float32): on CPU and non-sm_90 GPUs through the fallback lowering,
+    the rules are the same as on the kernels."""
+    M, K, N, G = 24, 8, 16, 3
+    lhs, rhs = random_float((M, K), jnp.float32), random_float((G, K, N), jnp.float32)
+    sizes = jnp.array([7, 0, 12], jnp.int32)
+    check_grads(lambda a, b: jmp.ragged_dot(a, b, sizes), (lhs, rhs), order=2, modes=("fwd", "rev"),
+                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_second_order_against_lax(dtype):
+    """Hessian-vector products of a scalar loss: ours in `dtype`, lax in float32."""
+    M, K, N, G = 96, 32, 24, 4
+    lhs, rhs, sizes = random_float((M, K), dtype), random_float((G, K, N), dtype), random_sizes(G, M)
+    t_lhs, t_rhs = random_float((M, K), dtype), random_float((G, K, N), dtype)
+
+    def hvp(fn, args, tangents):
+        loss = lambda a, b: jnp.sum(jnp.sin(fn(a, b, sizes).astype(jnp.float32)))
+        return jax.jvp(jax.grad(loss, argnums=(0, 1)), args, tangents)[1]
+
+    ours = jax.jit(lambda *x: hvp(jmp.ragged_dot, x[:2], x[2:]))(lhs, rhs, t_lhs, t_rhs)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = hvp(ref_ragged_dot, (f32(lhs), f32(rhs)), (f32(t_lhs), f32(t_rhs)))
+    tol = 1e-4 if dtype == jnp.float32 else 6e-2  # bf16 rounds every intermediate
+    for o, r in zip(ours, ref):
+        scale = float(np.abs(np.asarray(r)).max())
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(r), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("axes", [(0, None, None), (0, 0, 0), (None, 0, None), (1, None, 0)])
+def test_vmap(dtype, axes):
+    V, M, K, N, G = 3, 64, 16, 24, 4
+    lhs = random_float((V, M, K) if axes[0] == 0 else (M, V, K) if axes[0] == 1 else (M, K), dtype)
+    rhs = random_float((V, G, K, N) if axes[1] == 0 else (G, K, N), dtype)
+    sizes = jnp.stack([random_sizes(G, M) for _ in range(V)]) if axes[2] == 0 else random_sizes(G, M)
+    out = jax.jit(jax.vmap(jmp.ragged_dot, in_axes=axes))(lhs, rhs, sizes)
+    take = lambda x, ax, v: x if ax is None else jnp.take(x, v, axis=ax)
+    for v in range(V):
+        ref = ref_ragged_dot(take(lhs, axes[0], v), take(rhs, axes[1], v), take(sizes, axes[2], v))
+        assert_matches(out[v], ref, dtype)
+
+
+def test_vmap_grad():
+    V, M, K, N, G = 2, 48, 16, 8, 3
+    lhs, rhs = random_float((V, M, K), jnp.float32), random_float((G, K, N), jnp.float32)
+    sizes = random_sizes(G, M)
+    ours = jax.grad(lambda a, b: jnp.sum(jax.vmap(jmp.ragged_dot, (0, None, None))(a, b, sizes) ** 2), (0, 1))(
+        lhs, rhs)
+    # lax.ragged_dot's own batching takes only operands batched along axis 0: loop for the reference.
+    ref = jax.grad(lambda a, b: sum(jnp.sum(ref_ragged_dot(a[v], b, sizes) ** 2) for v in range(V)), (0, 1))(
+        lhs, rhs)
+    for o, r in zip(ours, ref):
+        assert_matches(o, r, jnp.float32)
+
+
+def test_one_launch_under_vmap():
+    """vmap folds into the primitive's batch axis: one bind (one custom call on the kernels)."""
+    lhs, rhs, sizes = random_float((4, 32, 16), jnp.bfloat16), random_float((3, 16, 8), jnp.bfloat16), \
+        jnp.array([10, 0, 20], jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.vmap(jmp.ragged_dot, (0, None, None)))(lhs, rhs, sizes)
+    assert str(jaxpr).count("jax_moe_permute_ragged_dot") == 1
+
+
+def test_errors():
+    lhs, rhs, sizes = jnp.zeros((8, 4)), jnp.zeros((2, 4, 8)), jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="lhs"):
+        jmp.ragged_dot(lhs[None], rhs, sizes)
+    with pytest.raises(ValueError, match="rhs"):
+        jmp.ragged_dot(lhs, rhs[0], sizes)
+    with pytest.raises(ValueError, match="disagree on K"):
+        jmp.ragged_dot(lhs, jnp.zeros((2, 5, 8)), sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        jmp.ragged_dot(lhs, rhs, jnp.array([4, 2, 2], jnp.int32))
+    with pytest.raises(TypeError, match="group_sizes"):
+        jmp.ragged_dot(lhs, rhs, jnp.array([4.0, 4.0]))
+
+
+_SHARD_MAP_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    import jax_moe_permute as jmp
+    mesh = jax.make_mesh((4,), ("x",))
+    M, K, N, G = 32, 16, 8, 3
+    lhs = jax.random.normal(jax.random.PRNGKey(0), (4 * M, K))
+    rhs = jax.random.normal(jax.random.PRNGKey(1), (G, K, N))
+    sizes = jnp.array([10, 0, 15], jnp.int32)  # replicated: lhs varies over x, rhs and sizes do not
+
+    def local(fn):
+        def body(a, b, s):
+            out = fn(a, b, s)
+            loss = lambda a, b: jnp.sum(fn(a, b, s) ** 2)
+            da, db = jax.grad(loss, (0, 1))(a, b)
+            return out, da, jax.lax.psum(db, "x")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()),
+                                     out_specs=(P("x"), P("x"), P()), check_vma=True))
+
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    lhs, rhs, sizes = put(lhs, P("x")), put(rhs, P()), put(sizes, P())
+    ours = local(jmp.ragged_dot)(lhs, rhs, sizes)
+    ref = local(lambda a, b, s: jax.lax.ragged_dot(a, b, s, precision=jax.lax.Precision.HIGHEST))(lhs, rhs, sizes)
+    for o, r in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-4)
+    print("shard_map ok")
+""")
+
+
+def test_shard_map_check_vma():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)) + "/..")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "shard_map ok" in res.stdout
+
+
+# ---- the kernels themselves (sm_90) ------------------------------------------------------
+
+@needs_gpu
+def test_kernels_used():
+    """On an sm_90 GPU the bf16 path must be our custom calls, forward and backward."""
+    if not kernels_available():
+        pytest.fail(f"grouped GEMM kernels not available on {jax.devices()[0].device_kind}")
+    lhs, rhs, sizes = random_float((64, 32), jnp.bfloat16), random_float((4, 32, 16), jnp.bfloat16), \
+        jnp.array([10, 0, 30, 4], jnp.int32)
+    def fwd_bwd(a, b):
+        out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), a, b)
+        return out, vjp(jnp.ones((64, 16), jnp.bfloat16))
+
+    fwd_bwd = jax.jit(fwd_bwd)
+    hlo = fwd_bwd.lower(lhs, rhs).as_text()
+    assert hlo.count("@jax_moe_permute.ragged_dot(") == 2, hlo  # forward and d lhs
+    assert hlo.count("@jax_moe_permute.ragged_dot_weight_grad(") == 1, hlo
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("G,M,K,N", [(8, 2048, 256, 512), (64, 1000, 128, 264), (256, 37, 64, 128)])
+def test_kernels_larger(dtype, G, M, K, N):
+    """Several tiles per group, partial tiles in every dimension, many small groups."""
+    lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
+    sizes = random_sizes(G, M - 5)
+    out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)
+    d_lhs, d_rhs = vjp(cot)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref, ref_vjp = jax.vjp(lambda a, b: ref_ragged_dot(a, b, sizes), f32(lhs), f32(rhs))
+    r_lhs, r_rhs = ref_vjp(f32(cot))
+    assert_matches(out, ref, dtype)
+    assert_matches(d_lhs, r_lhs, dtype)
+    assert_matches(d_rhs, r_rhs, dtype)
+    assert np.all(np.asarray(out[int(sizes.sum()):], np.float32) == 0)
+
+
+@needs_gpu
+def test_kernels_vmap_broadcast_rhs():
+    """A vmapped batch with a shared rhs: batch stride 0 for rhs in the kernel."""
+    V, M, K, N, G = 3, 300, 64, 128, 5
+    lhs, rhs = random_float((V, M, K), jnp.bfloat16), random_float((G, K, N), jnp.bfloat16)
+    sizes = jnp.stack([random_sizes(G, M) for _ in range(V)])
+    out = jax.jit(jax.vmap(jmp.ragged_dot, (0, None, 0)))(lhs, rhs, sizes)
+    for v in range(V):
+        assert_matches(out[v], ref_ragged_dot(lhs[v], rhs, sizes[v]), jnp.bfloat16)
+
+
+def test_fallback_reason_documented():
+    """CPU and other platforms: the primitives lower to jax.lax.ragged_dot (kernels report so)."""
+    if not on_gpu():
+        assert not kernels_available()
+
+
+def test_bench_gemm_smoke(tmp_path):
+    """The benchmark runs end to end (tiny problem; on CPU through the fallback)."""
+    from jax_moe_permute import bench
+
+    out = tmp_path / "g.json"
+    assert bench.main(["--ops", "ragged_dot,ragged_dot_bwd", "--problems", "tiny", "--groups", "uniform,decode1",
+                       "--iterations", "2", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(r["us"] and r["lax_us"] and r["dense_us"] for r in rows)
