@@ -64,12 +64,27 @@ inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer
   MOE_STRIDE(hidden_stride, hidden, T * H);
   MOE_STRIDE(ids_stride, ids, T * K);
   MOE_STRIDE(map_stride, expert_map, num_experts);
-  *a = PermuteArgs{hidden.untyped_data(), hidden_stride, ids.typed_data(), ids_stride,
-                   has_map ? expert_map.typed_data() : nullptr, map_stride,
-                   batch, T, K, H, static_cast<int64_t>(ffi::ByteWidth(hidden.element_type())),
-                   num_experts, static_cast<int32_t>(num_local), align, out.dimensions()[1],
-                   out.untyped_data(), group_sizes.typed_data(), row_map.typed_data(),
-                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = PermuteArgs{};
+  a->hidden = hidden.untyped_data();
+  a->hidden_bstride = hidden_stride;
+  a->ids = ids.typed_data();
+  a->ids_bstride = ids_stride;
+  a->expert_map = has_map ? expert_map.typed_data() : nullptr;
+  a->map_bstride = map_stride;
+  a->batch = batch;
+  a->tokens = T;
+  a->topk = K;
+  a->hidden_size = H;
+  a->elem_bytes = static_cast<int64_t>(ffi::ByteWidth(hidden.element_type()));
+  a->num_experts = num_experts;
+  a->num_local = static_cast<int32_t>(num_local);
+  a->align = align;
+  a->rows = out.dimensions()[1];
+  a->out = out.untyped_data();
+  a->group_sizes = group_sizes.typed_data();
+  a->row_map = row_map.typed_data();
+  a->workspace = workspace.untyped_data();
+  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
   return ffi::Error::Success();
 }
 
@@ -87,9 +102,22 @@ inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::Any
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = UnpermuteArgs{x.untyped_data(), *xd, x_stride, R, row_map.typed_data(), rm_stride,
-                     has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
-                     batch, T, K, H, out.untyped_data(), *od};
+  *a = UnpermuteArgs{};
+  a->x = x.untyped_data();
+  a->x_dtype = *xd;
+  a->x_bstride = x_stride;
+  a->rows = R;
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = rm_stride;
+  a->weights = has_weights ? weights.untyped_data() : nullptr;
+  a->w_dtype = *wd;
+  a->w_bstride = w_stride;
+  a->batch = batch;
+  a->tokens = T;
+  a->topk = K;
+  a->hidden_size = H;
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
   return ffi::Error::Success();
 }
 
@@ -108,10 +136,24 @@ inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBu
   MOE_STRIDE(x_stride, x, T * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = ScatterArgs{x.untyped_data(), *xd, x_stride, row_map.typed_data(), rm_stride,
-                   has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
-                   batch, T, K, H, R, out.untyped_data(), *od,
-                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = ScatterArgs{};
+  a->x = x.untyped_data();
+  a->x_dtype = *xd;
+  a->x_bstride = x_stride;
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = rm_stride;
+  a->weights = has_weights ? weights.untyped_data() : nullptr;
+  a->w_dtype = *wd;
+  a->w_bstride = w_stride;
+  a->batch = batch;
+  a->tokens = T;
+  a->topk = K;
+  a->hidden_size = H;
+  a->rows = R;
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
+  a->workspace = workspace.untyped_data();
+  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
   return ffi::Error::Success();
 }
 
@@ -129,8 +171,22 @@ inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buf
   MOE_STRIDE(ct_stride, ct, T * H);
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
-  *a = WeightGradArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
-                      row_map.typed_data(), rm_stride, batch, T, K, H, out.untyped_data(), *od};
+  *a = WeightGradArgs{};
+  a->ct = ct.untyped_data();
+  a->ct_dtype = *cd;
+  a->ct_bstride = ct_stride;
+  a->x = x.untyped_data();
+  a->x_dtype = *xd;
+  a->x_bstride = x_stride;
+  a->rows = R;
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = rm_stride;
+  a->batch = batch;
+  a->tokens = T;
+  a->topk = K;
+  a->hidden_size = H;
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
   return ffi::Error::Success();
 }
 
@@ -153,10 +209,29 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = UnpermuteBwdArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
-                        row_map.typed_data(), rm_stride, weights.untyped_data(), *wd, w_stride,
-                        batch, T, K, H, out_x.untyped_data(), *oxd, out_w.untyped_data(), *owd,
-                        workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = UnpermuteBwdArgs{};
+  a->ct = ct.untyped_data();
+  a->ct_dtype = *cd;
+  a->ct_bstride = ct_stride;
+  a->x = x.untyped_data();
+  a->x_dtype = *xd;
+  a->x_bstride = x_stride;
+  a->rows = R;
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = rm_stride;
+  a->weights = weights.untyped_data();
+  a->w_dtype = *wd;
+  a->w_bstride = w_stride;
+  a->batch = batch;
+  a->tokens = T;
+  a->topk = K;
+  a->hidden_size = H;
+  a->out_x = out_x.untyped_data();
+  a->out_x_dtype = *oxd;
+  a->out_w = out_w.untyped_data();
+  a->out_w_dtype = *owd;
+  a->workspace = workspace.untyped_data();
+  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
   return ffi::Error::Success();
 }
 

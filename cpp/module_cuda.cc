@@ -2,20 +2,17 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "cuda_kernels.h"
+#include "ffi_capsule.h"
 #include "ffi_handlers.h"
 
 namespace nb = nanobind;
 
 namespace {
-template <typename Fn>
-nb::capsule capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 template <typename Fn>
 int64_t workspace_bytes(Fn fn, int64_t batch, int64_t entries, int64_t extent) {
   int64_t bytes = 0;
@@ -28,11 +25,11 @@ int64_t workspace_bytes(Fn fn, int64_t batch, int64_t entries, int64_t extent) {
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["permute"] = capsule(MoePermuteCuda);
-    d["unpermute"] = capsule(MoeUnpermuteCuda);
-    d["scatter"] = capsule(MoeScatterCuda);
-    d["weight_grad"] = capsule(MoeWeightGradCuda);
-    d["unpermute_bwd"] = capsule(MoeUnpermuteBwdCuda);
+    d["permute"] = moe::capsule(MoePermuteCuda);
+    d["unpermute"] = moe::capsule(MoeUnpermuteCuda);
+    d["scatter"] = moe::capsule(MoeScatterCuda);
+    d["weight_grad"] = moe::capsule(MoeWeightGradCuda);
+    d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);
     return d;
   });
   m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {
