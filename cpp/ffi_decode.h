@@ -37,6 +37,41 @@ inline std::optional<int64_t> stride_of(ffi::Span<const int64_t> dims, int64_t b
   return dims[0] == 1 ? 0 : per_example;
 }
 
+// Fields that several argument structs share, each assigned by name.
+template <typename Args>
+void set_shape(Args* a, int64_t batch, int64_t tokens, int64_t topk, int64_t hidden_size) {
+  a->batch = batch;
+  a->tokens = tokens;
+  a->topk = topk;
+  a->hidden_size = hidden_size;
+}
+
+template <typename Args>
+void set_x(Args* a, ffi::AnyBuffer x, Dtype dtype, int64_t bstride) {
+  a->x = x.untyped_data();
+  a->x_dtype = dtype;
+  a->x_bstride = bstride;
+}
+
+template <typename Args>
+void set_row_map(Args* a, I32Buffer row_map, int64_t bstride) {
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = bstride;
+}
+
+template <typename Args>
+void set_weights(Args* a, const void* weights, Dtype dtype, int64_t bstride) {
+  a->weights = weights;
+  a->w_dtype = dtype;
+  a->w_bstride = bstride;
+}
+
+template <typename Args>
+void set_workspace(Args* a, ffi::AnyBuffer workspace) {
+  a->workspace = workspace.untyped_data();
+  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+}
+
 #define MOE_STRIDE(var, buf, per_example)                               \
   int64_t var;                                                          \
   {                                                                     \
@@ -71,10 +106,7 @@ inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer
   a->ids_bstride = ids_stride;
   a->expert_map = has_map ? expert_map.typed_data() : nullptr;
   a->map_bstride = map_stride;
-  a->batch = batch;
-  a->tokens = T;
-  a->topk = K;
-  a->hidden_size = H;
+  set_shape(a, batch, T, K, H);
   a->elem_bytes = static_cast<int64_t>(ffi::ByteWidth(hidden.element_type()));
   a->num_experts = num_experts;
   a->num_local = static_cast<int32_t>(num_local);
@@ -83,8 +115,7 @@ inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer
   a->out = out.untyped_data();
   a->group_sizes = group_sizes.typed_data();
   a->row_map = row_map.typed_data();
-  a->workspace = workspace.untyped_data();
-  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 
@@ -103,19 +134,11 @@ inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::Any
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
   *a = UnpermuteArgs{};
-  a->x = x.untyped_data();
-  a->x_dtype = *xd;
-  a->x_bstride = x_stride;
+  set_x(a, x, *xd, x_stride);
   a->rows = R;
-  a->row_map = row_map.typed_data();
-  a->rm_bstride = rm_stride;
-  a->weights = has_weights ? weights.untyped_data() : nullptr;
-  a->w_dtype = *wd;
-  a->w_bstride = w_stride;
-  a->batch = batch;
-  a->tokens = T;
-  a->topk = K;
-  a->hidden_size = H;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, has_weights ? weights.untyped_data() : nullptr, *wd, w_stride);
+  set_shape(a, batch, T, K, H);
   a->out = out.untyped_data();
   a->out_dtype = *od;
   return ffi::Error::Success();
@@ -137,23 +160,14 @@ inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBu
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
   *a = ScatterArgs{};
-  a->x = x.untyped_data();
-  a->x_dtype = *xd;
-  a->x_bstride = x_stride;
-  a->row_map = row_map.typed_data();
-  a->rm_bstride = rm_stride;
-  a->weights = has_weights ? weights.untyped_data() : nullptr;
-  a->w_dtype = *wd;
-  a->w_bstride = w_stride;
-  a->batch = batch;
-  a->tokens = T;
-  a->topk = K;
-  a->hidden_size = H;
+  set_x(a, x, *xd, x_stride);
   a->rows = R;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, has_weights ? weights.untyped_data() : nullptr, *wd, w_stride);
+  set_shape(a, batch, T, K, H);
   a->out = out.untyped_data();
   a->out_dtype = *od;
-  a->workspace = workspace.untyped_data();
-  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 
@@ -175,16 +189,10 @@ inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buf
   a->ct = ct.untyped_data();
   a->ct_dtype = *cd;
   a->ct_bstride = ct_stride;
-  a->x = x.untyped_data();
-  a->x_dtype = *xd;
-  a->x_bstride = x_stride;
+  set_x(a, x, *xd, x_stride);
   a->rows = R;
-  a->row_map = row_map.typed_data();
-  a->rm_bstride = rm_stride;
-  a->batch = batch;
-  a->tokens = T;
-  a->topk = K;
-  a->hidden_size = H;
+  set_row_map(a, row_map, rm_stride);
+  set_shape(a, batch, T, K, H);
   a->out = out.untyped_data();
   a->out_dtype = *od;
   return ffi::Error::Success();
@@ -213,25 +221,16 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
   a->ct = ct.untyped_data();
   a->ct_dtype = *cd;
   a->ct_bstride = ct_stride;
-  a->x = x.untyped_data();
-  a->x_dtype = *xd;
-  a->x_bstride = x_stride;
+  set_x(a, x, *xd, x_stride);
   a->rows = R;
-  a->row_map = row_map.typed_data();
-  a->rm_bstride = rm_stride;
-  a->weights = weights.untyped_data();
-  a->w_dtype = *wd;
-  a->w_bstride = w_stride;
-  a->batch = batch;
-  a->tokens = T;
-  a->topk = K;
-  a->hidden_size = H;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, weights.untyped_data(), *wd, w_stride);
+  set_shape(a, batch, T, K, H);
   a->out_x = out_x.untyped_data();
   a->out_x_dtype = *oxd;
   a->out_w = out_w.untyped_data();
   a->out_w_dtype = *owd;
-  a->workspace = workspace.untyped_data();
-  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 

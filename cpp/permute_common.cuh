@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cuda_common.cuh"
+#include "dtype_dispatch.h"
 #include "kernel_args.h"
 #include "moe_index.h"
 

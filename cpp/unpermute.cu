@@ -3,6 +3,7 @@
 // loaded in batches of kBatch); small, latency-bound grids take unpermute_few_kernel.
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
