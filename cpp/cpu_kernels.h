@@ -1,4 +1,5 @@
-// CPU implementations of the four operations (see kernel_args.h for their contracts).
+// CPU implementations of the four operations (see kernel_args.h for their contracts), one unit
+// per operation: cpu_permute.cc, cpu_unpermute.cc, cpu_scatter.cc, cpu_weight_grad.cc.
 #pragma once
 
 #include <cstdint>

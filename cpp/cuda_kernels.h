@@ -1,5 +1,7 @@
-// CUDA implementations of the four operations (see kernel_args.h for their contracts).
-// Every launcher enqueues on `stream`, never synchronises, and returns the first CUDA error.
+// CUDA implementations of the operations (see kernel_args.h for their contracts), one unit per
+// operation: permute.cu (which picks permute_small.cu, permute_tiled.cu or permute_sorted.cu),
+// unpermute.cu, scatter.cu, weight_grad.cu and unpermute_bwd.cu. Every launcher enqueues on
+// `stream`, never synchronises, and returns the first CUDA error.
 #pragma once
 
 #include <cuda_runtime.h>

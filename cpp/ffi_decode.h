@@ -37,6 +37,41 @@ inline std::optional<int64_t> stride_of(ffi::Span<const int64_t> dims, int64_t b
   return dims[0] == 1 ? 0 : per_example;
 }
 
+// Fields that several argument structs share, each assigned by name.
+template <typename Args>
+void set_shape(Args* a, int64_t batch, int64_t tokens, int64_t topk, int64_t hidden_size) {
+  a->batch = batch;
+  a->tokens = tokens;
+  a->topk = topk;
+  a->hidden_size = hidden_size;
+}
+
+template <typename Args>
+void set_x(Args* a, ffi::AnyBuffer x, Dtype dtype, int64_t bstride) {
+  a->x = x.untyped_data();
+  a->x_dtype = dtype;
+  a->x_bstride = bstride;
+}
+
+template <typename Args>
+void set_row_map(Args* a, I32Buffer row_map, int64_t bstride) {
+  a->row_map = row_map.typed_data();
+  a->rm_bstride = bstride;
+}
+
+template <typename Args>
+void set_weights(Args* a, const void* weights, Dtype dtype, int64_t bstride) {
+  a->weights = weights;
+  a->w_dtype = dtype;
+  a->w_bstride = bstride;
+}
+
+template <typename Args>
+void set_workspace(Args* a, ffi::AnyBuffer workspace) {
+  a->workspace = workspace.untyped_data();
+  a->workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+}
+
 #define MOE_STRIDE(var, buf, per_example)                               \
   int64_t var;                                                          \
   {                                                                     \
@@ -64,12 +99,23 @@ inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer
   MOE_STRIDE(hidden_stride, hidden, T * H);
   MOE_STRIDE(ids_stride, ids, T * K);
   MOE_STRIDE(map_stride, expert_map, num_experts);
-  *a = PermuteArgs{hidden.untyped_data(), hidden_stride, ids.typed_data(), ids_stride,
-                   has_map ? expert_map.typed_data() : nullptr, map_stride,
-                   batch, T, K, H, static_cast<int64_t>(ffi::ByteWidth(hidden.element_type())),
-                   num_experts, static_cast<int32_t>(num_local), align, out.dimensions()[1],
-                   out.untyped_data(), group_sizes.typed_data(), row_map.typed_data(),
-                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = PermuteArgs{};
+  a->hidden = hidden.untyped_data();
+  a->hidden_bstride = hidden_stride;
+  a->ids = ids.typed_data();
+  a->ids_bstride = ids_stride;
+  a->expert_map = has_map ? expert_map.typed_data() : nullptr;
+  a->map_bstride = map_stride;
+  set_shape(a, batch, T, K, H);
+  a->elem_bytes = static_cast<int64_t>(ffi::ByteWidth(hidden.element_type()));
+  a->num_experts = num_experts;
+  a->num_local = static_cast<int32_t>(num_local);
+  a->align = align;
+  a->rows = out.dimensions()[1];
+  a->out = out.untyped_data();
+  a->group_sizes = group_sizes.typed_data();
+  a->row_map = row_map.typed_data();
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 
@@ -87,9 +133,14 @@ inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::Any
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = UnpermuteArgs{x.untyped_data(), *xd, x_stride, R, row_map.typed_data(), rm_stride,
-                     has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
-                     batch, T, K, H, out.untyped_data(), *od};
+  *a = UnpermuteArgs{};
+  set_x(a, x, *xd, x_stride);
+  a->rows = R;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, has_weights ? weights.untyped_data() : nullptr, *wd, w_stride);
+  set_shape(a, batch, T, K, H);
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
   return ffi::Error::Success();
 }
 
@@ -108,10 +159,15 @@ inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBu
   MOE_STRIDE(x_stride, x, T * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = ScatterArgs{x.untyped_data(), *xd, x_stride, row_map.typed_data(), rm_stride,
-                   has_weights ? weights.untyped_data() : nullptr, *wd, w_stride,
-                   batch, T, K, H, R, out.untyped_data(), *od,
-                   workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = ScatterArgs{};
+  set_x(a, x, *xd, x_stride);
+  a->rows = R;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, has_weights ? weights.untyped_data() : nullptr, *wd, w_stride);
+  set_shape(a, batch, T, K, H);
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 
@@ -129,8 +185,16 @@ inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buf
   MOE_STRIDE(ct_stride, ct, T * H);
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
-  *a = WeightGradArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
-                      row_map.typed_data(), rm_stride, batch, T, K, H, out.untyped_data(), *od};
+  *a = WeightGradArgs{};
+  a->ct = ct.untyped_data();
+  a->ct_dtype = *cd;
+  a->ct_bstride = ct_stride;
+  set_x(a, x, *xd, x_stride);
+  a->rows = R;
+  set_row_map(a, row_map, rm_stride);
+  set_shape(a, batch, T, K, H);
+  a->out = out.untyped_data();
+  a->out_dtype = *od;
   return ffi::Error::Success();
 }
 
@@ -153,10 +217,20 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = UnpermuteBwdArgs{ct.untyped_data(), *cd, ct_stride, x.untyped_data(), *xd, x_stride, R,
-                        row_map.typed_data(), rm_stride, weights.untyped_data(), *wd, w_stride,
-                        batch, T, K, H, out_x.untyped_data(), *oxd, out_w.untyped_data(), *owd,
-                        workspace.untyped_data(), static_cast<int64_t>(workspace.size_bytes())};
+  *a = UnpermuteBwdArgs{};
+  a->ct = ct.untyped_data();
+  a->ct_dtype = *cd;
+  a->ct_bstride = ct_stride;
+  set_x(a, x, *xd, x_stride);
+  a->rows = R;
+  set_row_map(a, row_map, rm_stride);
+  set_weights(a, weights.untyped_data(), *wd, w_stride);
+  set_shape(a, batch, T, K, H);
+  a->out_x = out_x.untyped_data();
+  a->out_x_dtype = *oxd;
+  a->out_w = out_w.untyped_data();
+  a->out_w_dtype = *owd;
+  set_workspace(a, workspace);
   return ffi::Error::Success();
 }
 

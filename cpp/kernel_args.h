@@ -1,5 +1,5 @@
-// What every kernel launcher receives, filled once from the FFI buffers (ffi_decode.h) and
-// consumed by the CPU (cpu_kernels.cc) and CUDA (cuda_kernels.cu) implementations alike.
+// What every kernel launcher receives, filled once from the FFI buffers (ffi_decode.h, by field
+// name) and consumed by the CPU (cpu_kernels.h) and CUDA (cuda_kernels.h) implementations alike.
 // Strides are in elements; a batch stride of 0 broadcasts the operand over the batch.
 #pragma once
 

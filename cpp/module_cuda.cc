@@ -2,10 +2,12 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "cuda_kernels.h"
+#include "ffi_capsule.h"
 #include "ffi_handlers.h"
 #ifdef MOE_HAS_GROUPED_GEMM
 #include "ffi_grouped_gemm.h"  // grouped GEMM (ragged_dot)
@@ -14,11 +16,6 @@
 namespace nb = nanobind;
 
 namespace {
-template <typename Fn>
-nb::capsule capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 template <typename Fn>
 int64_t workspace_bytes(Fn fn, int64_t batch, int64_t entries, int64_t extent) {
   int64_t bytes = 0;
@@ -31,14 +28,14 @@ int64_t workspace_bytes(Fn fn, int64_t batch, int64_t entries, int64_t extent) {
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["permute"] = capsule(MoePermuteCuda);
-    d["unpermute"] = capsule(MoeUnpermuteCuda);
-    d["scatter"] = capsule(MoeScatterCuda);
-    d["weight_grad"] = capsule(MoeWeightGradCuda);
-    d["unpermute_bwd"] = capsule(MoeUnpermuteBwdCuda);
+    d["permute"] = moe::capsule(MoePermuteCuda);
+    d["unpermute"] = moe::capsule(MoeUnpermuteCuda);
+    d["scatter"] = moe::capsule(MoeScatterCuda);
+    d["weight_grad"] = moe::capsule(MoeWeightGradCuda);
+    d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);
 #ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
-    d["ragged_dot"] = capsule(MoeRaggedDotCuda);
-    d["ragged_dot_weight_grad"] = capsule(MoeRaggedDotWeightGradCuda);
+    d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
+    d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
 #endif
     return d;
   });
