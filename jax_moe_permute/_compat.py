@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 from jax import core
+from jax.sharding import PartitionSpec
 
 
 def varying_axes(aval) -> frozenset:
@@ -20,12 +21,20 @@ def varying_axes(aval) -> frozenset:
 
 
 def shaped_like(avals, shape, dtype) -> core.ShapedArray:
-    """An output aval of `shape` and `dtype` varying along every axis any of `avals` varies
-    along (the operands of one bind share that set: `pvary_to_match` makes them)."""
+    """An output aval of `shape` and `dtype` for a primitive whose operands are `avals`.
+
+    It varies along every manual axis any operand varies along (the operands of one bind
+    share that set: `pvary_to_match` makes them), and under explicit sharding it is sharded
+    like the leading (batch) axis of the first operand of full batch extent, replicated on
+    every other axis."""
     template = max(avals, key=lambda a: len(varying_axes(a)))
-    if hasattr(template, "manual_axis_type"):
-        return template.update(shape=tuple(shape), dtype=dtype, weak_type=False)
-    return core.ShapedArray(tuple(shape), dtype, vma=varying_axes(template))
+    if not hasattr(template, "manual_axis_type"):
+        return core.ShapedArray(tuple(shape), dtype, vma=varying_axes(template))
+    batched = next(a for a in avals if a.shape[0] == max(b.shape[0] for b in avals))
+    spec = batched.sharding.spec
+    lead = spec[0] if len(spec) else None
+    sharding = template.sharding.update(spec=PartitionSpec(lead, *(None,) * (len(shape) - 1)))
+    return template.update(shape=tuple(shape), dtype=dtype, weak_type=False, sharding=sharding)
 
 
 def _pvary(x, axes):
@@ -41,3 +50,29 @@ def pvary_to_match(*xs):
     sets = [varying_axes(jax.typeof(x)) for x in xs]
     union = frozenset().union(*sets)
     return tuple(x if s == union else _pvary(x, sorted(union - s)) for x, s in zip(xs, sets))
+
+
+def lowers_for_many_devices(ctx) -> bool:
+    """Whether the computation a lowering rule emits into will be SPMD-partitioned over more
+    than one device. `custom_partitioning` needs a known device assignment there, which a
+    single-device jit of jax 0.10 does not fix at lowering time."""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    num_devices = getattr(axis_context, "num_devices", None)
+    if num_devices is not None:  # jit over a sharding context
+        return num_devices > 1
+    mesh = getattr(axis_context, "mesh", None)  # inside shard_map
+    return mesh is not None and mesh.size > 1
+
+
+def require_devices_at_lowering(*primitives) -> None:
+    """Marks primitives whose lowering emits `custom_partitioning`: jax must then fix the
+    device assignment before lowering, as it does for `custom_partitioning` itself (the
+    outer/inner primitive pattern of Transformer Engine's JAX extension does the same).
+    jax exposes no public hook for this."""
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - a jax without it partitions no custom call of ours
+        return
+    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.update(primitives)

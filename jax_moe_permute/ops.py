@@ -6,32 +6,17 @@ primitives' abstract evaluation."""
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import primitives
-from .reference import to_int32
+from .reference import PermuteResult, to_int32
 
 HIDDEN_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)))
 WEIGHT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
-
-
-class PermuteResult(NamedTuple):
-    """What `moe_permute` returns (a pytree).
-
-    hidden:      [R, H] rows grouped by local expert (ascending), stable in t*K+k inside an
-                 expert; padding and tail rows are zero.
-    group_sizes: [L] int32 rows of each local expert's block, padding included (the
-                 `group_sizes` of `jax.lax.ragged_dot`).
-    row_map:     [T, K] int32 row of `hidden` holding entry (t, k), or -1 when dropped.
-    """
-
-    hidden: jax.Array
-    group_sizes: jax.Array
-    row_map: jax.Array
 
 
 def _names(dtypes):
@@ -109,9 +94,9 @@ def moe_permute(
         _check_array(expert_map, "expert_map", op, 1, f"({num_experts},)")
         _check_int(expert_map, "expert_map", op)
         map_operand = to_int32(expert_map)[None]
-    rows, group_sizes, row_map = primitives.permute_p.bind(
+    rows, group_sizes, row_map = primitives.permute(
         jnp.asarray(hidden)[None], to_int32(topk_ids)[None], map_operand, num_experts=num_experts,
-        num_local_experts=num_local, align_size=align_size, has_map=int(expert_map is not None))
+        num_local_experts=num_local, align_size=align_size, has_map=expert_map is not None)
     return PermuteResult(rows[0], group_sizes[0], row_map[0])
 
 
@@ -149,6 +134,6 @@ def moe_unpermute(
     if out_dtype not in HIDDEN_DTYPES:
         raise TypeError(f"{op}: out_dtype {out_dtype.name} is not supported; supported dtypes: "
                         f"{_names(HIDDEN_DTYPES)}")
-    out = primitives.unpermute(jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights,
-                               int(topk_weights is not None), out_dtype)
+    out = primitives.unpermute(jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights, out_dtype,
+                               has_weights=topk_weights is not None)
     return out[0]

@@ -7,9 +7,26 @@ kernels, and the benchmark times it as what JAX users write today.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+class PermuteResult(NamedTuple):
+    """What `moe_permute` returns (a pytree).
+
+    hidden:      [R, H] rows grouped by local expert (ascending), stable in t*K+k inside an
+                 expert; padding and tail rows are zero.
+    group_sizes: [L] int32 rows of each local expert's block, padding included (the
+                 `group_sizes` of `jax.lax.ragged_dot`).
+    row_map:     [T, K] int32 row of `hidden` holding entry (t, k), or -1 when dropped.
+    """
+
+    hidden: jax.Array
+    group_sizes: jax.Array
+    row_map: jax.Array
 
 
 def permuted_rows(entries: int, num_local_experts: int, align_size: int) -> int:
@@ -41,7 +58,7 @@ def local_experts(topk_ids, num_experts, expert_map=None, num_local_experts=None
 
 
 def moe_permute(hidden, topk_ids, num_experts, *, expert_map=None, num_local_experts=None, align_size=1):
-    """Reference of `jax_moe_permute.moe_permute`; returns (hidden [R,H], group_sizes [L], row_map [T,K])."""
+    """Reference of `jax_moe_permute.moe_permute`; returns the same PermuteResult."""
     T, H = hidden.shape
     K = topk_ids.shape[1]
     N = T * K
@@ -59,10 +76,10 @@ def moe_permute(hidden, topk_ids, num_experts, *, expert_map=None, num_local_exp
     row_map = jnp.zeros(N, jnp.int32).at[order].set(jnp.where(kept, rows_sorted, -1))
     source = jnp.full(R, -1, jnp.int32).at[jnp.where(kept, rows_sorted, R)].set(order.astype(jnp.int32), mode="drop")
     if T == 0:  # nothing to take from (and jax's take cannot differentiate an empty gather)
-        return jnp.zeros((R, H), hidden.dtype), padded.astype(jnp.int32), row_map.reshape(T, K)
+        return PermuteResult(jnp.zeros((R, H), hidden.dtype), padded.astype(jnp.int32), row_map.reshape(T, K))
     rows = jnp.take(hidden, jnp.maximum(source, 0) // max(K, 1), axis=0)
     out = jnp.where((source >= 0)[:, None], rows, jnp.zeros((), hidden.dtype))
-    return out, padded.astype(jnp.int32), row_map.reshape(T, K)
+    return PermuteResult(out, padded.astype(jnp.int32), row_map.reshape(T, K))
 
 
 def moe_unpermute(expert_out, row_map, topk_weights=None, *, out_dtype=None):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moe_permute import primitives as P
+from jax_moe_permute import lowering, primitives as P
 from conftest import assert_bits_equal, assert_close, random_expert_map, random_float, random_ids
 
 B, T, K, H, E, L = 3, 21, 3, 6, 7, 4
@@ -17,7 +17,7 @@ def test_reference_lowering_of_permute():
     maps = jnp.stack([random_expert_map(E, L) for _ in range(B)])
     params = dict(num_experts=E, num_local_experts=L, align_size=4, has_map=1)
     got = jax.jit(lambda *a: P.permute_p.bind(*a, **params))(hidden, ids, maps)
-    want = P._ref_permute(hidden, ids, maps, **params)
+    want = lowering.reference_permute(hidden, ids, maps, **params)
     for g, w in zip(got, want):
         assert_bits_equal(g, w)
 
@@ -29,10 +29,10 @@ def test_reference_lowering_of_the_linear_ops():
     row_map = random_ids(B * T, K, R).reshape(B, T, K)
     weights = random_float((B, T, K), jnp.float32)
     cases = [
-        (P.unpermute_p, (x_rows, row_map, weights), dict(out_dtype=jnp.dtype(jnp.float32), has_weights=1), P._ref_unpermute),
+        (P.unpermute_p, (x_rows, row_map, weights), dict(out_dtype=jnp.dtype(jnp.float32), has_weights=1), lowering.reference_unpermute),
         (P.scatter_p, (x_tokens, row_map, weights), dict(num_rows=R, out_dtype=jnp.dtype(jnp.float32), has_weights=1),
-         P._ref_scatter),
-        (P.weight_grad_p, (x_tokens, x_rows, row_map), dict(out_dtype=jnp.dtype(jnp.float32)), P._ref_weight_grad),
+         lowering.reference_scatter),
+        (P.weight_grad_p, (x_tokens, x_rows, row_map), dict(out_dtype=jnp.dtype(jnp.float32)), lowering.reference_weight_grad),
     ]
     for prim, args, params, ref in cases:
         got = jax.jit(lambda *a: prim.bind(*a, **params))(*args)
