@@ -58,9 +58,9 @@ def moe_ep(
         `jax.lax.ragged_dot`s). Rows past sum(group_sizes) are zero; their results are unused.
       num_experts: E, static, divisible by the axis size.
       axis_name: the mesh axis (or tuple of axes) the experts are spread over.
-      dispatch: "all_gather" (default), or "all_to_all": ragged_all_to_all on backends that
-        implement it (GPU, TPU), a dense all_to_all with worst-case buffers elsewhere;
-        "ragged_all_to_all" / "dense_all_to_all" force one of the two.
+      dispatch: "all_gather" (default), or "all_to_all": ragged_all_to_all where
+        jax.default_backend() implements it (GPU, TPU), a dense all_to_all with worst-case
+        buffers elsewhere; "ragged_all_to_all" / "dense_all_to_all" force one of the two.
       align_size: A, static: each local expert's block given to expert_fn is padded with zero
         rows to a multiple of A.
 

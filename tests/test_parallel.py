@@ -213,6 +213,23 @@ def test_moe_ep_scan_checkpoint_layers(dispatch):
     assert_trees_close(loss_and_grads(forward, sharded, ct), loss_and_grads(reference, args, ct))
 
 
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+def test_moe_ep_over_two_mesh_axes(dispatch):
+    """axis_name a tuple: the experts spread over both axes of a 2-D mesh."""
+    rows = 2 if D % 2 == 0 else 1
+    mesh = jax.make_mesh((rows, D // rows), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    E = 2 * D
+    args = moe_inputs(E)
+
+    def per_device(h, i, w, a, b):
+        return parallel.moe_ep(h, i, w, expert_mlp(a, b), num_experts=E, axis_name=("a", "b"), dispatch=dispatch)
+    spec = P(("a", "b"))
+    forward = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
+    ct = random_float(args[0].shape, jnp.float32)
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]
+    assert_trees_close(loss_and_grads(forward, sharded, ct), loss_and_grads(lambda *a: dense_moe(*a, E), args, ct))
+
+
 def test_moe_ep_replicated_tokens():
     """Tokens replicated over the axis (in_specs P()): every device returns the full result and
     the gradient of the replicated input is summed over the devices' uses."""
