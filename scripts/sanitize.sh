@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Runs compute-sanitizer's memcheck, racecheck and initcheck over scripts/sanitize_cases.py, which
-# drives every CUDA kernel path on small edge cases. Needs a CUDA GPU and the package installed.
-# Usage: scripts/sanitize.sh [LOG_DIR]   (default /tmp; one sanitizer-<tool>.log per tool)
-# Prints one summary line per tool; exits non-zero if any tool reports an error or the cases
-# do not finish.
+# Runs compute-sanitizer's memcheck, racecheck and initcheck over the case scripts, which drive
+# every CUDA kernel path on small edge cases: scripts/sanitize_cases.py (permute, unpermute and
+# their backward kernels) and scripts/sanitize_gemm_cases.py (the grouped GEMM; sm_90 only).
+# Needs a CUDA GPU and the package installed.
+# Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and both case scripts; one
+# sanitizer-<cases>-<tool>.log per case script and tool)
+# Prints one summary line per case script and tool; exits non-zero if any tool reports an error
+# or the cases do not finish.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 log_dir="$(mkdir -p "${1:-/tmp}" && cd "${1:-/tmp}" && pwd)"
+shift || true
+cases=("$@")
+[ ${#cases[@]} -gt 0 ] || cases=(sanitize_cases sanitize_gemm_cases)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
-for tool in memcheck racecheck initcheck; do
-  log="$log_dir/sanitizer-$tool.log"
-  (cd /tmp && compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
-     python3 "$here/sanitize_cases.py") >"$log" 2>&1
-  rc=$?
-  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
-  grep -q "SANITIZE CASES DONE" "$log" || { echo "$tool: the cases did not finish"; tail -5 "$log"; status=1; }
-  [ "$rc" -eq 0 ] || status=1
+for case in "${cases[@]}"; do
+  for tool in memcheck racecheck initcheck; do
+    log="$log_dir/sanitizer-$case-$tool.log"
+    (cd /tmp && compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
+       python3 "$here/$case.py") >"$log" 2>&1
+    rc=$?
+    echo "$case $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    grep -q "CASES DONE" "$log" || { echo "$case $tool: the cases did not finish"; tail -5 "$log"; status=1; }
+    [ "$rc" -eq 0 ] || status=1
+  done
 done
 exit $status
