@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ops
+from .routing import check_routing_args
 
 # name: (activation applied to the gate half, gated). Gated ones split w_in's output into
 # [gate | up] halves (HF's gate_proj / w1 first) and compute act(gate) * up.
@@ -117,6 +118,73 @@ def moe_mlp(
     res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
     y = expert_mlp(res.hidden, res.group_sizes, w_in.astype(x.dtype), w_out.astype(x.dtype), activation)
     return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
+
+
+# The pieces the Flax modules share (they import flax; this file does not).
+
+
+def check_module_args(where, hidden_size, ffn_size, num_experts, top_k, activation, scoring, num_groups,
+                      topk_groups, num_shared_experts, mesh, expert_axis) -> None:
+    """Construction-time checks shared by the NNX and Linen modules."""
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts),
+                        ("top_k", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+    check_activation(activation, where)
+    check_routing_args(num_experts, top_k, scoring, num_groups, topk_groups)
+    if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+        raise ValueError(f"{where}: num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+    if (mesh is None) != (expert_axis is None):
+        raise ValueError(f"{where}: mesh and expert_axis go together (expert parallelism needs both)")
+    if mesh is not None:
+        if expert_axis not in mesh.shape:
+            raise ValueError(f"{where}: expert_axis {expert_axis!r} is not an axis of mesh {dict(mesh.shape)}")
+        if dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit:
+            # shard_map would not reshard the tokens and weights onto an Explicit axis
+            raise ValueError(f"{where}: expert_axis {expert_axis!r} must be an Auto mesh axis, e.g. "
+                             "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
+        if num_experts % mesh.shape[expert_axis]:
+            raise ValueError(f"{where}: num_experts ({num_experts}) must be divisible by the size of expert_axis "
+                             f"{expert_axis!r} ({mesh.shape[expert_axis]})")
+
+
+def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, mesh, expert_axis):
+    """The routed experts with tokens and experts both split over `expert_axis`: each device
+    runs `jax_moe_permute.parallel.moe_ep` on its token shard with its w_in/w_out shard.
+    x [T, H], weights/ids [T, K] (global), w_in [E, H, .], w_out [E, F, H] -> [T, H]."""
+    from jax.sharding import PartitionSpec as P
+
+    from . import parallel
+
+    T = x.shape[0]
+    n = mesh.shape[expert_axis]
+    pad = -T % n
+    if pad:  # token count not divisible by the axis: zero rows with zero gates contribute nothing
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        ids = jnp.pad(ids, ((0, pad), (0, 0)))
+
+    def local(x, weights, ids, w_in, w_out):
+        expert_fn = lambda rows, group_sizes: expert_mlp(rows, group_sizes, w_in, w_out, activation)
+        return parallel.moe_ep(x, ids, weights, expert_fn, num_experts=num_experts, axis_name=expert_axis)
+
+    tokens, experts = P(expert_axis, None), P(expert_axis, None, None)
+    specs = (tokens, tokens, tokens, experts, experts)
+    args = (x, weights, ids, w_in, w_out)
+    out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
+    return out[:T]
+
+
+def shared_mlp(x, w_in, w_out, activation):
+    """The always-on shared experts: a dense MLP, x [T, H] @ w_in [H, 2SF] -> act -> @ w_out."""
+    return apply_activation(x @ w_in, activation) @ w_out
+
+
+def router_logits(x, router):
+    """[T, H] @ [H, E] in float32 at full precision (router math is float32 whatever the input)."""
+    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def reference_moe_mlp(x, weights, ids, w_in, w_out, *, activation: str = "swiglu") -> jax.Array:
