@@ -43,7 +43,8 @@ class MoE(nnx.Module):
     dimension of w_in / w_out, everything else replicated. With mesh and expert_axis the routed
     experts run expert-parallel through `jax_moe_permute.parallel.moe_ep` under jax.shard_map.
 
-    Each call sows (nnx.Intermediate) load_balance_loss, router_z_loss and tokens_per_expert.
+    Each call sows (nnx.Intermediate) load_balance_loss, router_z_loss and tokens_per_expert:
+    read them with `y, aux = nnx.capture(model, nnx.Intermediate)(x)`.
     `dtype` is the computation dtype (default: x's and the params' promoted dtype);
     `param_dtype` the parameters'. Router math is float32.
     """
