@@ -3,6 +3,8 @@
     python -m jax_moe_permute.bench [--quick] [--model mixtral,qwen3] [--tokens 1,4096]
                                     [--ops permute,unpermute] [--json out.json] [--plot out.png]
 
+`--ops layer,layer_bwd` runs the whole-layer benchmark instead (bench_layer.py).
+
 On GPU, device time is the sum of each op's kernel times from CUPTI
 (jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are the
 fewest it must move (op_bytes): T*H*itemsize*(1+K) for permute (each token row read once, its
@@ -233,6 +235,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     ops = args.ops.split(",")
+    from . import bench_layer  # the whole MoE layer: its own grid, rows and plot
+
+    if any(op in bench_layer.OPS for op in ops):
+        if not all(op in bench_layer.OPS for op in ops):
+            p.error(f"{', '.join(bench_layer.OPS)} run on their own (the layer benchmark); ask for the others apart")
+        return bench_layer.main(sys.argv[1:] if argv is None else argv)
     jobs = []
     for model in args.model.split(","):
         tokens = MODELS[model][3]
