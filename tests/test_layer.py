@@ -15,6 +15,7 @@ from conftest import random_float
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+@functools.partial(jax.jit, static_argnames="activation")  # one compile per shape, not one per eager op
 def dense_moe(x, weights, ids, w_in, w_out, activation="swiglu", expert_ids=None):
     """out[t] = sum_e gate[t,e] * MLP_e(x[t]) with every expert computed; gate[t,e] sums the
     weights of the slots of t that chose e (ids outside the experts contribute nothing).
@@ -35,7 +36,7 @@ def dense_moe(x, weights, ids, w_in, w_out, activation="swiglu", expert_ids=None
 
 def layer_inputs(T, E, K, H, F, activation="swiglu", dtype=jnp.float32):
     width = 2 * F if activation in ("swiglu", "geglu") else F
-    r = jmp.route(random_float((T, E), jnp.float32, 2.0), K)
+    r = jax.jit(jmp.route, static_argnums=1)(random_float((T, E), jnp.float32, 2.0), K)
     return (random_float((T, H), dtype), r.weights, r.ids, random_float((E, H, width), dtype, 0.5),
             random_float((E, F, H), dtype, 0.5))
 
@@ -56,7 +57,7 @@ def test_forward_and_grads_match_dense(activation, T, E, K, H, F):
     loss = lambda f: lambda x, w, wi, wo: jnp.sum(f(x, w, args[2], wi, wo) * ct)
     argnums = (0, 1, 2, 3)
     g = jax.jit(jax.grad(loss(ours), argnums))(*args[:2], *args[3:])
-    g_ref = jax.grad(loss(ref), argnums)(*args[:2], *args[3:])
+    g_ref = jax.jit(jax.grad(loss(ref), argnums))(*args[:2], *args[3:])
     for a, b in zip(g, g_ref):
         assert_allclose(a, b, 1e-4)
 
@@ -95,12 +96,12 @@ def test_vmap_and_reference_layer():
     expert weights batched too; to share weights, flatten the tokens instead)."""
     B, T, E, K, H, F = 3, 6, 4, 2, 8, 8
     x = random_float((B, T, H), jnp.float32)
-    r = jax.vmap(lambda z: jmp.route(z, K))(random_float((B, T, E), jnp.float32))
+    r = jax.jit(jax.vmap(lambda z: jmp.route(z, K)))(random_float((B, T, E), jnp.float32))
     w_in, w_out = random_float((B, E, H, 2 * F), jnp.float32), random_float((B, E, F, H), jnp.float32)
-    out = jax.jit(jax.vmap(jmp.moe_mlp))(x, r.weights, r.ids, w_in, w_out)
-    for b in range(B):
-        assert_allclose(out[b], dense_moe(x[b], r.weights[b], r.ids[b], w_in[b], w_out[b]))
-        assert_allclose(reference_moe_mlp(x[b], r.weights[b], r.ids[b], w_in[b], w_out[b]), out[b])
+    args = (x, r.weights, r.ids, w_in, w_out)
+    out = jax.jit(jax.vmap(jmp.moe_mlp))(*args)
+    assert_allclose(out, jax.vmap(dense_moe)(*args))
+    assert_allclose(jax.jit(jax.vmap(reference_moe_mlp))(*args), out)
 
 
 def test_bad_arguments():
@@ -119,3 +120,13 @@ def test_bad_arguments():
         jmp.moe_mlp(x, w, ids, w_in, w_out, expert_map=jnp.zeros(8, jnp.int32))
     with pytest.raises(ValueError, match="x"):
         jmp.moe_mlp(x[0], w, ids, w_in, w_out)
+
+
+def test_package_import_leaves_flax_out():
+    import subprocess
+    import sys
+
+    code = "import sys, jax_moe_permute; assert 'flax' not in sys.modules and 'optax' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=__file__.rsplit("/tests/", 1)[0])
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,6 +3,7 @@ Mixtral / Qwen3-MoE / DeepSeek-V3 configurations, forward and gradients w.r.t. i
 parameter, leading dims, bf16, nnx transforms, sown aux, partitioning metadata, expert parallelism
 on a 4-device CPU mesh (in a subprocess), bad arguments."""
 
+import functools
 import json
 import os
 import subprocess
@@ -36,6 +37,12 @@ H, F, E, K = 16, 12, 8, 2
 
 def reference(params, x, kw):
     """The block's math from its variables: float32 router, route, dense experts, shared MLP."""
+    return _reference(params, x, tuple(sorted(kw.items())))
+
+
+@functools.partial(jax.jit, static_argnums=2)  # one compile per shape, not one per eager op
+def _reference(params, x, kw):
+    kw = dict(kw)
     x2 = x.reshape(-1, H)
     logits = jnp.dot(x2, params["router"], precision=HIGHEST)
     r = jmp.route(logits, K, scoring=kw.get("scoring", "softmax"), renormalize=kw.get("renormalize", True),
