@@ -99,9 +99,9 @@ def test_nnx_forward_and_grads(name):
 def test_nnx_leading_dims_and_sown_aux():
     m = make_nnx("deepseek")
     x = random_float((3, 2, 4, H), jnp.float32)
-    y, inter = nnx.capture(m, nnx.Intermediate)(x)
+    y, inter = nnx.jit(lambda m, x: nnx.capture(m, nnx.Intermediate)(x))(m, x)
     close(y, reference(nnx_params(m), x, CONFIGS["deepseek"]))
-    close(m(x[0, 0, 0]), y[0, 0, 0])  # a single token [H]
+    close(nnx.jit(lambda m, x: m(x))(m, x[0, 0, 0]), y[0, 0, 0])  # a single token [H]
     aux = {k[0]: v.get_value()[0] for k, v in nnx.to_flat_state(inter)}  # one sown value per call
     assert set(aux) == {"load_balance_loss", "router_z_loss", "tokens_per_expert"}
     assert int(jnp.sum(aux["tokens_per_expert"])) == 24 * K
@@ -132,11 +132,11 @@ def test_bf16(module):
     x = random_float((7, H), jnp.bfloat16)
     if module == "nnx":
         m = jmp_nnx.MoE(H, F, E, K, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, num_shared_experts=1)
-        y, params = m(x), nnx_params(m)
+        y, params = nnx.jit(lambda m, x: m(x))(m, x), nnx_params(m)
     else:
         m = jmp_linen.MoE(H, F, E, K, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, num_shared_experts=1)
         variables = m.init(jax.random.PRNGKey(0), x)
-        y, params = m.apply(variables, x), nn.unbox(variables)["params"]
+        y, params = jax.jit(m.apply)(variables, x), nn.unbox(variables)["params"]
     assert y.dtype == jnp.bfloat16 and all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     ref = reference({k: v.astype(jnp.float32) for k, v in params.items()}, x.astype(jnp.float32), {})
     scale = float(jnp.max(jnp.abs(ref)))
@@ -182,11 +182,11 @@ def test_linen_matches_nnx(name):
     variables = {"params": {k: v for k, v in params.items() if k != "router_bias"}}
     if "router_bias" in params:
         variables[jmp_linen.ROUTER_STATE] = {"router_bias": params["router_bias"]}
-    y, state = lm.apply(variables, x, mutable=["intermediates"])
-    close(y, m(x))
+    y, state = jax.jit(functools.partial(lm.apply, mutable=["intermediates"]))(variables, x)
+    close(y, nnx.jit(lambda m, x: m(x))(m, x))
     assert set(state["intermediates"]) == {"load_balance_loss", "router_z_loss", "tokens_per_expert"}
-    g = jax.grad(lambda p: lm.apply({**variables, "params": p}, x).sum())(variables["params"])
-    g_ref = jax.grad(lambda p: reference({**params, **p}, x, kw).sum())(variables["params"])
+    g = jax.jit(jax.grad(lambda p: lm.apply({**variables, "params": p}, x).sum()))(variables["params"])
+    g_ref = jax.jit(jax.grad(lambda p: reference({**params, **p}, x, kw).sum()))(variables["params"])
     for k in g:
         close(g[k], g_ref[k], 1e-4)
 
