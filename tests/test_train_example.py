@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
+pytest.importorskip("matplotlib")  # the loss-curve PNG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
