@@ -170,7 +170,7 @@ def test_nnx_scan_and_remat_over_layers():
     assert all(bool(jnp.all(jnp.isfinite(v[...]))) for _, v in nnx.to_flat_state(g))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 def test_linen_matches_nnx(name):
     kw = CONFIGS[name]
     m = make_nnx(name)
