@@ -1,9 +1,15 @@
 """Mixture-of-Experts layers for JAX: token permute / unpermute and a grouped GEMM as XLA FFI
-kernels (CPU and CUDA), expert parallelism over XLA collectives."""
+kernels (CPU and CUDA), routing and the expert MLP, expert parallelism over XLA collectives.
+
+The Flax modules live in the submodules `jax_moe_permute.nnx` and `jax_moe_permute.linen`
+(imported on demand: flax stays optional)."""
 
 from . import parallel, reference
 from .grouped_gemm import ragged_dot
+from .layer import moe_mlp
 from .ops import PermuteResult, moe_permute, moe_unpermute
+from .routing import RouterAux, Routing, balance_bias, route
 
-__all__ = ["PermuteResult", "moe_permute", "moe_unpermute", "parallel", "ragged_dot", "reference"]
+__all__ = ["PermuteResult", "RouterAux", "Routing", "balance_bias", "moe_mlp", "moe_permute", "moe_unpermute",
+           "parallel", "ragged_dot", "reference", "route"]
 __version__ = "0.1.0"

@@ -3,6 +3,8 @@
     python -m jax_moe_permute.bench [--quick] [--model mixtral,qwen3] [--tokens 1,4096]
                                     [--ops permute,unpermute] [--json out.json] [--plot out.png]
 
+`--ops layer,layer_bwd` runs the whole-layer benchmark instead (bench_layer.py).
+
 On GPU, device time is the sum of each op's kernel times from CUPTI
 (jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are the
 fewest it must move (op_bytes): T*H*itemsize*(1+K) for permute (each token row read once, its
@@ -233,9 +235,13 @@ def main(argv=None) -> int:
     args, unknown = p.parse_known_args(argv)
 
     ops = args.ops.split(",")
-    if {"ragged_dot", "ragged_dot_bwd"} & set(ops):  # the grouped GEMM: its own problems, options, table
-        from . import bench_gemm
-        return bench_gemm.main(argv)
+    from . import bench_gemm, bench_layer  # the grouped GEMM and the whole layer: own grids, rows, plots
+
+    for family in (bench_gemm, bench_layer):
+        if set(ops) & set(family.OPS):
+            if not set(ops) <= set(family.OPS):
+                p.error(f"{', '.join(family.OPS)} run on their own; ask for the other ops apart")
+            return family.main(argv)
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     jobs = []

@@ -1,0 +1,199 @@
+"""The routed expert MLP, functional: permute -> grouped matmul -> activation -> grouped matmul ->
+weighted unpermute. The Flax modules (nnx.py, linen.py) are thin wrappers over this file and
+routing.py."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import ops
+from .routing import check_routing_args
+
+# name: (activation applied to the gate half, gated). Gated ones split w_in's output into
+# [gate | up] halves (HF's gate_proj / w1 first) and compute act(gate) * up.
+ACTIVATIONS: dict[str, tuple[Callable, bool]] = {
+    "swiglu": (jax.nn.silu, True),
+    "geglu": (lambda x: jax.nn.gelu(x, approximate=False), True),  # torch's / HF's "gelu" is the erf form
+    "gelu": (lambda x: jax.nn.gelu(x, approximate=False), False),
+    "relu": (jax.nn.relu, False),
+}
+
+
+def check_activation(activation: str, where: str = "moe_mlp") -> bool:
+    """Whether `activation` is gated; a ValueError naming the argument when it is unknown."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation][1]
+
+
+def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [R, H] @ weights [G, H, F] by group: rows of group g (consecutive, group_sizes [G])
+    use weights[g]; rows past sum(group_sizes) give zeros. The package's own grouped GEMM
+    (`jax_moe_permute.ragged_dot`) where the package has one, else jax.lax.ragged_dot."""
+    package = sys.modules[__package__]
+    dot = getattr(package, "ragged_dot", None) or jax.lax.ragged_dot
+    return dot(rows, weights, group_sizes)
+
+
+def apply_activation(h: jax.Array, activation: str) -> jax.Array:
+    """[R, 2F] -> [R, F] for the gated activations (gate = first F columns), [R, F] -> [R, F] else."""
+    fn, gated = ACTIVATIONS[activation]
+    if gated:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return fn(gate) * up
+    return fn(h)
+
+
+def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: jax.Array,
+               activation: str = "swiglu", matmul: Callable = grouped_matmul) -> jax.Array:
+    """Each group's MLP on its rows: rows [R, H] grouped by expert (group_sizes [L]), w_in
+    [L, H, 2F] (gated) or [L, H, F], w_out [L, F, H'] -> [R, H']. This is the `expert_fn` that
+    expert parallelism calls on a device's local experts."""
+    h = matmul(rows, w_in, group_sizes)
+    return matmul(apply_activation(h, activation), w_out, group_sizes)
+
+
+def check_expert_weights(w_in, w_out, hidden_size: int, activation: str, where: str = "moe_mlp") -> None:
+    gated = check_activation(activation, where)
+    for name, w in (("w_in", w_in), ("w_out", w_out)):
+        if not hasattr(w, "shape") or w.ndim != 3:
+            raise ValueError(f"{where}: {name} must be a 3-D array [E, ., .], got {getattr(w, 'shape', type(w))}")
+    E, H, F2 = w_in.shape
+    F = w_out.shape[1]
+    want = f"[E, H, 2F] = [{w_out.shape[0]}, {hidden_size}, {2 * F}]" if gated else \
+        f"[E, H, F] = [{w_out.shape[0]}, {hidden_size}, {F}]"
+    if E != w_out.shape[0] or H != hidden_size or F2 != (2 * F if gated else F):
+        raise ValueError(f"{where}: w_in must have shape {want} for activation {activation!r} "
+                         f"(from x [T, {hidden_size}] and w_out {tuple(w_out.shape)}), got {tuple(w_in.shape)}")
+
+
+def moe_mlp(
+    x: jax.Array,
+    weights: jax.Array,
+    ids: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    activation: str = "swiglu",
+    expert_map: Optional[jax.Array] = None,
+    num_local_experts: Optional[int] = None,
+) -> jax.Array:
+    """The routed experts' weighted sum: out[t] = sum_k weights[t,k] * MLP_{ids[t,k]}(x[t]).
+
+    Args:
+      x: [T, H] float32, bfloat16 or float16; the matmuls run in x's dtype (weights are cast).
+      weights: [T, K] float32/bfloat16/float16 gates (e.g. `route(...).weights`).
+      ids: [T, K] integer experts; ids outside [0, E) (or mapped to -1) contribute nothing.
+      w_in: [L, H, 2F] for "swiglu"/"geglu" (columns [gate | up]), [L, H, F] for "gelu"/"relu".
+      w_out: [L, F, H'].
+      activation: "swiglu" (silu(gate) * up), "geglu" (gelu(gate) * up), "gelu", "relu".
+      expert_map: optional [E] int array mapping a global expert to its row of w_in/w_out in
+        [0, L) or -1 (not here), for expert parallelism; num_local_experts = L is then required.
+
+    Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
+    """
+    if not hasattr(x, "shape") or x.ndim != 2:
+        raise ValueError(f"moe_mlp: x must have shape [T, H], got {getattr(x, 'shape', type(x))}")
+    check_expert_weights(w_in, w_out, x.shape[1], activation)
+    L = w_in.shape[0]
+    if expert_map is None:
+        num_experts = L
+        if num_local_experts is not None and num_local_experts != L:
+            raise ValueError(f"moe_mlp: num_local_experts ({num_local_experts}) must equal w_in.shape[0] ({L})")
+    else:
+        if num_local_experts != L:
+            raise ValueError(f"moe_mlp: num_local_experts ({num_local_experts}) must be given with expert_map "
+                             f"and equal w_in.shape[0] ({L})")
+        num_experts = expert_map.shape[0]
+    for name, a in (("weights", weights), ("ids", ids)):
+        if not hasattr(a, "shape") or a.ndim != 2 or a.shape[0] != x.shape[0]:
+            raise ValueError(f"moe_mlp: {name} must have shape [T, K] with T = {x.shape[0]}, "
+                             f"got {getattr(a, 'shape', type(a))}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"moe_mlp: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must have equal shapes")
+    res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
+    y = expert_mlp(res.hidden, res.group_sizes, w_in.astype(x.dtype), w_out.astype(x.dtype), activation)
+    return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
+
+
+# The pieces the Flax modules share (they import flax; this file does not).
+
+
+def check_module_args(where, hidden_size, ffn_size, num_experts, top_k, activation, scoring, num_groups,
+                      topk_groups, num_shared_experts, mesh, expert_axis) -> None:
+    """Construction-time checks shared by the NNX and Linen modules."""
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts),
+                        ("top_k", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+    check_activation(activation, where)
+    check_routing_args(num_experts, top_k, scoring, num_groups, topk_groups)
+    if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+        raise ValueError(f"{where}: num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+    if (mesh is None) != (expert_axis is None):
+        raise ValueError(f"{where}: mesh and expert_axis go together (expert parallelism needs both)")
+    if mesh is not None:
+        if expert_axis not in mesh.shape:
+            raise ValueError(f"{where}: expert_axis {expert_axis!r} is not an axis of mesh {dict(mesh.shape)}")
+        if dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit:
+            # shard_map would not reshard the tokens and weights onto an Explicit axis
+            raise ValueError(f"{where}: expert_axis {expert_axis!r} must be an Auto mesh axis, e.g. "
+                             "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
+        if num_experts % mesh.shape[expert_axis]:
+            raise ValueError(f"{where}: num_experts ({num_experts}) must be divisible by the size of expert_axis "
+                             f"{expert_axis!r} ({mesh.shape[expert_axis]})")
+
+
+def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, mesh, expert_axis):
+    """The routed experts with tokens and experts both split over `expert_axis`: each device
+    runs `jax_moe_permute.parallel.moe_ep` on its token shard with its w_in/w_out shard.
+    x [T, H], weights/ids [T, K] (global), w_in [E, H, .], w_out [E, F, H] -> [T, H]."""
+    from jax.sharding import PartitionSpec as P
+
+    from . import parallel
+
+    T = x.shape[0]
+    n = mesh.shape[expert_axis]
+    pad = -T % n
+    if pad:  # token count not divisible by the axis: zero rows with zero gates contribute nothing
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        ids = jnp.pad(ids, ((0, pad), (0, 0)))
+
+    def local(x, weights, ids, w_in, w_out):
+        expert_fn = lambda rows, group_sizes: expert_mlp(rows, group_sizes, w_in, w_out, activation)
+        return parallel.moe_ep(x, ids, weights, expert_fn, num_experts=num_experts, axis_name=expert_axis)
+
+    tokens, experts = P(expert_axis, None), P(expert_axis, None, None)
+    specs = (tokens, tokens, tokens, experts, experts)
+    args = (x, weights, ids, w_in, w_out)
+    out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
+    return out[:T]
+
+
+def shared_mlp(x, w_in, w_out, activation):
+    """The always-on shared experts: a dense MLP, x [T, H] @ w_in [H, 2SF] -> act -> @ w_out."""
+    return apply_activation(x @ w_in, activation) @ w_out
+
+
+def router_logits(x, router):
+    """[T, H] @ [H, E] in float32 at full precision (router math is float32 whatever the input)."""
+    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def reference_moe_mlp(x, weights, ids, w_in, w_out, *, activation: str = "swiglu") -> jax.Array:
+    """The same layer the way JAX MoE code is written today (argsort + take, jax.lax.ragged_dot,
+    gather + weighted sum: `jax_moe_permute.reference`); the benchmark's baseline."""
+    from . import reference
+
+    E = w_in.shape[0]
+    rows, group_sizes, row_map = reference.moe_permute(x, ids, E)
+    y = expert_mlp(rows, group_sizes, w_in.astype(x.dtype), w_out.astype(x.dtype), activation,
+                   matmul=jax.lax.ragged_dot)
+    return reference.moe_unpermute(y, row_map, weights, out_dtype=x.dtype)

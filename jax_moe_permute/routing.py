@@ -1,0 +1,165 @@
+"""Top-k routing of MoE router logits: softmax (Mixtral, Qwen3-MoE) and sigmoid with a selection
+bias and expert groups (DeepSeek-V3), plus the router's auxiliary losses.
+
+All router math runs in float32 whatever the logits' dtype: top-k choices and the balancing
+losses are sensitive to rounding, and the router is a negligible share of the layer's work.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+class RouterAux(NamedTuple):
+    """Router statistics (a pytree of float32 scalars and an int32 vector).
+
+    load_balance_loss: E * sum_e f_e * P_e, with f_e the fraction of tokens that chose expert e
+        among their K and P_e the mean routing probability of e (softmax probabilities, or the
+        sigmoid scores normalised over the experts). It is K for a perfectly balanced router
+        (1 for top-1: the Switch Transformer form; HF Mixtral's `load_balancing_loss_func`).
+    router_z_loss: mean over tokens of logsumexp(logits)^2 (ST-MoE).
+    tokens_per_expert: [E] int32 number of (token, slot) entries routed to each expert.
+    """
+
+    load_balance_loss: jax.Array
+    router_z_loss: jax.Array
+    tokens_per_expert: jax.Array
+
+
+class Routing(NamedTuple):
+    """What `route` returns (a pytree).
+
+    weights: [T, K] float32 gate of each chosen expert.
+    ids: [T, K] int32 chosen experts, best first.
+    aux: RouterAux.
+    """
+
+    weights: jax.Array
+    ids: jax.Array
+    aux: RouterAux
+
+
+def _static_int(value, name: str, minimum: int = 1) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"route: {name} must be a static Python int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"route: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_routing_args(num_experts: int, top_k: int, scoring: str, num_groups, topk_groups) -> None:
+    """The checks `route` makes on its static arguments (the modules make them at construction)."""
+    num_experts = _static_int(num_experts, "num_experts (logits.shape[1])")
+    top_k = _static_int(top_k, "top_k")
+    if top_k > num_experts:
+        raise ValueError(f"route: top_k ({top_k}) must be <= the number of experts ({num_experts})")
+    if scoring not in SCORINGS:
+        raise ValueError(f"route: scoring must be one of {SCORINGS}, got {scoring!r}")
+    if (num_groups is None) != (topk_groups is None):
+        raise ValueError("route: num_groups and topk_groups must be given together")
+    if num_groups is not None:
+        num_groups = _static_int(num_groups, "num_groups")
+        topk_groups = _static_int(topk_groups, "topk_groups")
+        if num_experts % num_groups:
+            raise ValueError(f"route: num_groups ({num_groups}) must divide the number of experts ({num_experts})")
+        if topk_groups > num_groups:
+            raise ValueError(f"route: topk_groups ({topk_groups}) must be <= num_groups ({num_groups})")
+        if top_k > topk_groups * (num_experts // num_groups):
+            raise ValueError(f"route: top_k ({top_k}) exceeds the experts of the topk_groups ({topk_groups}) "
+                             f"best groups ({topk_groups * (num_experts // num_groups)})")
+
+
+def _group_mask(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """[T, E] bool: experts in the topk_groups best groups, a group scored by the sum of its
+    two best selection scores (DeepSeek-V3's node-limited routing)."""
+    T, E = choice.shape
+    grouped = choice.reshape(T, num_groups, E // num_groups)
+    best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
+    _, top_groups = jax.lax.top_k(best.sum(-1), topk_groups)
+    keep = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
+    return jnp.repeat(keep, E // num_groups, axis=1)
+
+
+def route(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    bias: Optional[jax.Array] = None,
+    num_groups: Optional[int] = None,
+    topk_groups: Optional[int] = None,
+    routed_scaling_factor: float = 1.0,
+) -> Routing:
+    """Chooses each token's top_k experts from router logits and their gate weights.
+
+    Args:
+      logits: [T, E] router logits, any float dtype (computed on in float32).
+      top_k: K, static, 1 <= K <= E.
+      scoring: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3).
+      renormalize: divide the K chosen scores by their sum (Mixtral always; Qwen3-MoE's
+        `norm_topk_prob`; DeepSeek-V3's `norm_topk_prob`, with its +1e-20 for sigmoid).
+      bias: optional [E] added to the scores for the choice only (DeepSeek-V3's
+        `e_score_correction_bias`); the weights stay the unbiased scores.
+      num_groups, topk_groups: optional, together: experts split into num_groups equal
+        groups, a group scored by the sum of its two best biased scores; only the topk_groups
+        best groups compete.
+      routed_scaling_factor: the weights' final scale.
+
+    Returns Routing(weights [T, K] float32, ids [T, K] int32, aux RouterAux).
+    """
+    if not hasattr(logits, "shape") or logits.ndim != 2:
+        raise ValueError(f"route: logits must have shape [T, E], got {getattr(logits, 'shape', type(logits))}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(f"route: logits must have a float dtype, got {jnp.dtype(logits.dtype).name}")
+    T, E = logits.shape
+    check_routing_args(E, top_k, scoring, num_groups, topk_groups)
+    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
+        raise ValueError(f"route: bias must have shape [{E}] (the number of experts), "
+                         f"got {getattr(bias, 'shape', type(bias))}")
+
+    logits = logits.astype(jnp.float32)
+    if scoring == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    # The choice is not differentiated: gradients reach the router through the weights.
+    choice = jax.lax.stop_gradient(scores)
+    if bias is not None:
+        choice = choice + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if num_groups is not None:
+        choice = jnp.where(_group_mask(choice, num_groups, topk_groups), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        # DeepSeek-V3 adds 1e-20 (sigmoid scores can all be tiny); softmax ones cannot.
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    weights = weights * jnp.float32(routed_scaling_factor)
+
+    counts = jnp.zeros(E, jnp.int32).at[ids.reshape(-1)].add(1)
+    tokens = max(T, 1)  # T = 0: zero losses rather than 0/0
+    fraction = jax.lax.stop_gradient(counts.astype(jnp.float32)) / tokens
+    mean_prob = jnp.sum(probs, axis=0) / tokens
+    load_balance = E * jnp.sum(fraction * mean_prob)
+    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
+    return Routing(weights, ids.astype(jnp.int32), RouterAux(load_balance, z_loss, counts))
+
+
+def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after a step, raise the selection bias of
+    experts that got fewer than the mean number of entries and lower it for those that got more,
+    by `rate` (its gamma). bias [E] float, tokens_per_expert [E] (e.g. RouterAux's, summed over
+    layers' steps as you like); returns the new bias, same dtype. Not differentiated."""
+    counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
+    step = jnp.sign(jnp.mean(counts) - counts)
+    return (bias.astype(jnp.float32) + rate * step).astype(bias.dtype)
