@@ -186,6 +186,13 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def save_rows(rows, path: str) -> None:
+    """Writes the rows as JSON; called after every shape, so an interrupted run keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def plot(rows, path: str) -> None:
     import matplotlib
 
@@ -261,10 +268,8 @@ def main(argv=None) -> int:
     rows = []
     for model, T in progress(jobs):
         rows += bench_shape(model, T, ops, copy_tbps, iterations=args.iterations)
+        save_rows(rows, args.json)
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -21,7 +21,6 @@ cost more than LAX_MAX_EXPANDED_FLOPS or LAX_MAX_EXPANDED_BYTES.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.bench import copy_ceiling_tbps, device_us, on_gpu
+from jax_moe_permute.bench import copy_ceiling_tbps, device_us, on_gpu, save_rows
 
 OPS = ("ragged_dot", "ragged_dot_bwd")
 # name: (experts G, top-k, rows per expert at uniform routing, K, N)
@@ -219,9 +218,7 @@ def main(argv=None) -> int:
     for name in args.problems.split(","):
         for kind in kinds:
             rows += bench_problem(name, kind, ops, copy_tbps, args.iterations)
-            if args.json:  # after every problem, so that an interrupted run keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=1)
+            save_rows(rows, args.json)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -21,7 +21,6 @@ is "tiny" (the real shapes take minutes a call there).
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -204,10 +203,8 @@ def main(argv=None) -> int:
     jobs = [(m, t) for m in (args.model or default_models).split(",") for t in tokens]
     for model, T in bench.progress(jobs):
         rows += bench_shape(model, T, ops, iterations=args.iterations, split=not args.no_split)
+        bench.save_rows(rows, args.json)
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

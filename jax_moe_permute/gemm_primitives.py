@@ -33,6 +33,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _compat, _native
+from .batch_axis import batch_extent, batcher, sum_to_batch
 
 ragged_dot_p = Primitive("jax_moe_permute_ragged_dot")
 ragged_dot_wgrad_p = Primitive("jax_moe_permute_ragged_dot_wgrad")
@@ -43,24 +44,16 @@ _LAYOUT_FORWARD, _LAYOUT_TRANSPOSED_RHS, _LAYOUT_WEIGHT_GRAD = 0, 1, 2
 _INT32_MAX = 2**31 - 1
 
 
-def _batch(*avals) -> int:
-    sizes = {a.shape[0] for a in avals}
-    batch = max(sizes)
-    if not sizes <= {1, batch}:
-        raise ValueError(f"jax_moe_permute.ragged_dot: inconsistent batch extents {sorted(sizes)}")
-    return batch
-
-
 # ---- abstract evaluation ------------------------------------------------------------------
 
 def _ragged_dot_abstract(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
     n = rhs.shape[2] if rhs_transposed else rhs.shape[3]
-    shape = (_batch(lhs, rhs, group_sizes), lhs.shape[1], n)
+    shape = (batch_extent(lhs, rhs, group_sizes), lhs.shape[1], n)
     return _compat.shaped_like((lhs, rhs, group_sizes), shape, out_dtype)
 
 
 def _ragged_dot_wgrad_abstract(lhs, rhs, group_sizes, *, out_dtype, precision):
-    shape = (_batch(lhs, rhs, group_sizes), group_sizes.shape[1], lhs.shape[2], rhs.shape[2])
+    shape = (batch_extent(lhs, rhs, group_sizes), group_sizes.shape[1], lhs.shape[2], rhs.shape[2])
     return _compat.shaped_like((lhs, rhs, group_sizes), shape, out_dtype)
 
 
@@ -156,35 +149,6 @@ def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, preci
     return _ffi_call(ctx, "ragged_dot_weight_grad", _LAYOUT_WEIGHT_GRAD, (lhs, rhs, group_sizes))
 
 
-# ---- batching: fold the vmapped axis into the leading batch axis -------------------------
-
-def _fold_vmap_axis(args, dims):
-    """Moves each vmapped axis to the front and merges it with the leading batch axis
-    (an operand not vmapped and of batch extent 1 stays broadcast: no copy)."""
-    V = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    B = max(a.shape[0] if d is None else a.shape[1] for a, d in zip(moved, dims))
-    folded = []
-    for a, d in zip(moved, dims):
-        if d is None and (a.shape[0] == 1 or V == 1):
-            folded.append(a)
-            continue
-        if d is None:
-            a = jnp.broadcast_to(a[None], (V,) + a.shape)
-        elif a.shape[1] != B:  # nested vmap: batched here, broadcast inside
-            a = jnp.broadcast_to(a, (V, B) + a.shape[2:])
-        folded.append(a.reshape((V * B,) + a.shape[2:]))
-    return folded, V
-
-
-def _batcher(p):
-    def rule(args, dims, **params):
-        folded, V = _fold_vmap_axis(args, dims)
-        out = p.bind(*folded, **params)
-        return out.reshape((V, out.shape[0] // V) + out.shape[1:]), 0
-    return rule
-
-
 # ---- autodiff ------------------------------------------------------------------------------
 
 def _bilinear_jvp(p):
@@ -204,14 +168,6 @@ def _bilinear_jvp(p):
         return out, sum(terms[1:], terms[0])
 
     return jvp
-
-
-def _sum_to_batch(ct, operand):
-    """The cotangent of an operand broadcast over the batch (extent 1) sums over it."""
-    shape = operand.aval.shape if ad.is_undefined_primal(operand) else operand.shape
-    if shape[0] == 1 and ct.shape[0] != 1:
-        ct = jnp.sum(ct, axis=0, keepdims=True, dtype=jnp.float32).astype(ct.dtype)
-    return ct
 
 
 def _dtype_of(x):
@@ -236,11 +192,11 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, rhs_transposed, out_dtyp
     if ad.is_undefined_primal(lhs):
         ct_lhs = ragged_dot_bind(ct, rhs, group_sizes, rhs_transposed=not rhs_transposed,
                                  out_dtype=_dtype_of(lhs), precision=precision)
-        ct_lhs = _sum_to_batch(ct_lhs, lhs)
+        ct_lhs = sum_to_batch(ct_lhs, lhs)
     if ad.is_undefined_primal(rhs):
         a, b = (ct, lhs) if rhs_transposed else (lhs, ct)
         ct_rhs = ragged_dot_wgrad_bind(a, b, group_sizes, out_dtype=_dtype_of(rhs), precision=precision)
-        ct_rhs = _sum_to_batch(ct_rhs, rhs)
+        ct_rhs = sum_to_batch(ct_rhs, rhs)
     return ct_lhs, ct_rhs, None
 
 
@@ -251,11 +207,11 @@ def _ragged_dot_wgrad_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, precisi
     if ad.is_undefined_primal(lhs):  # d lhs[rows of g] = rhs[rows of g] · ct[g]ᵀ
         ct_lhs = ragged_dot_bind(rhs, ct, group_sizes, rhs_transposed=True, out_dtype=_dtype_of(lhs),
                                  precision=precision)
-        ct_lhs = _sum_to_batch(ct_lhs, lhs)
+        ct_lhs = sum_to_batch(ct_lhs, lhs)
     if ad.is_undefined_primal(rhs):  # d rhs[rows of g] = lhs[rows of g] · ct[g]
         ct_rhs = ragged_dot_bind(lhs, ct, group_sizes, rhs_transposed=False, out_dtype=_dtype_of(rhs),
                                  precision=precision)
-        ct_rhs = _sum_to_batch(ct_rhs, rhs)
+        ct_rhs = sum_to_batch(ct_rhs, rhs)
     return ct_lhs, ct_rhs, None
 
 
@@ -265,14 +221,14 @@ def _ragged_dot_wgrad_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, precisi
 ragged_dot_p.def_impl(jax.jit(ragged_dot_p.bind, static_argnames=("rhs_transposed", "out_dtype", "precision")))
 ragged_dot_p.def_abstract_eval(_ragged_dot_abstract)
 mlir.register_lowering(ragged_dot_p, _lower_ref_ragged_dot)
-batching.primitive_batchers[ragged_dot_p] = _batcher(ragged_dot_p)
+batching.primitive_batchers[ragged_dot_p] = batcher(ragged_dot_p)
 ad.primitive_jvps[ragged_dot_p] = _bilinear_jvp(ragged_dot_p)
 ad.primitive_transposes[ragged_dot_p] = _ragged_dot_transpose
 
 ragged_dot_wgrad_p.def_impl(jax.jit(ragged_dot_wgrad_p.bind, static_argnames=("out_dtype", "precision")))
 ragged_dot_wgrad_p.def_abstract_eval(_ragged_dot_wgrad_abstract)
 mlir.register_lowering(ragged_dot_wgrad_p, _lower_ref_ragged_dot_wgrad)
-batching.primitive_batchers[ragged_dot_wgrad_p] = _batcher(ragged_dot_wgrad_p)
+batching.primitive_batchers[ragged_dot_wgrad_p] = batcher(ragged_dot_wgrad_p)
 ad.primitive_jvps[ragged_dot_wgrad_p] = _bilinear_jvp(ragged_dot_wgrad_p)
 ad.primitive_transposes[ragged_dot_wgrad_p] = _ragged_dot_wgrad_transpose
 

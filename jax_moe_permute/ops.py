@@ -10,7 +10,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import primitives
 from .reference import PermuteResult, to_int32

@@ -193,7 +193,6 @@ def _exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv
         operand, output, *sizes = pvary_to_match(operand, output, *sizes)
         return jax.lax.ragged_all_to_all(operand, output, *sizes, axis_name=axis_name)
     input_offsets, send_sizes, output_offsets, recv_sizes = sizes
-    num_devices = send_sizes.shape[0]
     i = jnp.arange(cap, dtype=jnp.int32)
     # Block j: operand[input_offsets[j] : + send_sizes[j]], zero-padded to cap rows.
     source = jnp.where(i < send_sizes[:, None], input_offsets[:, None] + i, -1).reshape(-1)

@@ -16,10 +16,7 @@ unpermute_tangent is unpermute's JVP when both expert rows and weights vary: one
 primitive, so that its transpose yields both cotangents at once (unpermute_bwd: on CUDA one
 kernel reads each cotangent row once for both; elsewhere scatter + weight_grad).
 
-Every operand carries a leading batch axis whose extent is the batch size B or 1 (a
-broadcast operand, which the kernels read with batch stride 0). The public ops add it with
-B = 1; the batching rule grows it, so a vmapped call is still one custom call per op.
-An absent expert_map or weights operand is a [1, 1] / [1, 1, 1] placeholder flagged by the
+Every operand carries the leading batch axis of batch_axis.py. An absent expert_map or weights operand is a [1, 1] / [1, 1, 1] placeholder flagged by the
 static parameter has_map / has_weights.
 """
 
@@ -34,6 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _native, lowering, shapes
+from .batch_axis import batch_extent, batcher, sum_to_batch
 from ._compat import pvary_to_match, require_devices_at_lowering
 
 # Dtypes the kernels write; the ops cast float8 outputs from float32 afterwards.
@@ -131,7 +129,7 @@ def _composite_unpermute_tangent(dx, dw, x, row_map, weights, *, out_dtype):
 
 
 def _composite_unpermute_bwd(c, x, row_map, weights, *, x_out_dtype, w_out_dtype):
-    B = shapes.batch_extent(c, x, row_map, weights)  # each half may see only extent-1 operands
+    B = batch_extent(c, x, row_map, weights)  # each half may see only extent-1 operands
     outs = [scatter_p.bind(c, row_map, weights, num_rows=x.shape[1], out_dtype=x_out_dtype, has_weights=True),
             weight_grad_p.bind(c, x, row_map, out_dtype=w_out_dtype)]
     return [jnp.broadcast_to(o, (B,) + o.shape[1:]) for o in outs]
@@ -148,37 +146,6 @@ def _fused_unpermute_bwd_rule():
             return fused(ctx, *args, **params)
         return composite(ctx, *args, **params)
 
-    return rule
-
-
-# ---- batching: fold the vmapped axis into the leading batch axis -------------------------
-
-def _fold_vmap_axis(args, dims):
-    """Moves each vmapped axis to the front and merges it with the leading batch axis."""
-    V = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    B = max(a.shape[0] if d is None else a.shape[1] for a, d in zip(moved, dims))
-    folded = []
-    for a, d in zip(moved, dims):
-        if d is None and (a.shape[0] == 1 or V == 1):
-            folded.append(a)  # broadcast over the whole folded batch: no copy
-            continue
-        if d is None:
-            a = jnp.broadcast_to(a[None], (V,) + a.shape)
-        elif a.shape[1] != B:  # nested vmap: batched here, broadcast inside
-            a = jnp.broadcast_to(a, (V, B) + a.shape[2:])
-        folded.append(a.reshape((V * B,) + a.shape[2:]))
-    return folded, V, B
-
-
-def _batcher(p):
-    def rule(args, dims, **params):
-        folded, V, B = _fold_vmap_axis(args, dims)
-        out = p.bind(*folded, **params)
-        unfold = lambda o: o.reshape((V, o.shape[0] // V) + o.shape[1:])
-        if p.multiple_results:
-            return [unfold(o) for o in out], [0] * len(out)
-        return unfold(out), 0
     return rule
 
 
@@ -222,14 +189,6 @@ def _bilinear_jvp(p, linear):
     return jvp
 
 
-def _sum_to_batch(ct, operand):
-    """Cotangent of an operand broadcast over the batch (extent 1) sums over it."""
-    shape = operand.aval.shape if ad.is_undefined_primal(operand) else operand.shape
-    if shape[0] == 1 and ct.shape[0] != 1:
-        ct = jnp.sum(ct, axis=0, keepdims=True, dtype=jnp.float32).astype(ct.dtype)
-    return ct
-
-
 def _unpermute_jvp(primals, tangents, *, out_dtype, has_weights):
     """With both expert rows and weights varying, one unpermute_tangent (whose transpose is
     the fused backward) instead of two unpermutes transposed apart."""
@@ -247,9 +206,9 @@ def _unpermute_transpose(ct, x, row_map, weights, *, out_dtype, has_weights):
     ct_x = ct_w = None
     if ad.is_undefined_primal(x):
         rows = x.aval.shape[1]
-        ct_x = _sum_to_batch(scatter(ct, row_map, weights, rows, x.aval.dtype, has_weights=has_weights), x)
+        ct_x = sum_to_batch(scatter(ct, row_map, weights, rows, x.aval.dtype, has_weights=has_weights), x)
     if ad.is_undefined_primal(weights):
-        ct_w = _sum_to_batch(weight_grad(ct, x, row_map, weights.aval.dtype), weights)
+        ct_w = sum_to_batch(weight_grad(ct, x, row_map, weights.aval.dtype), weights)
     return ct_x, None, ct_w
 
 
@@ -258,9 +217,9 @@ def _scatter_transpose(ct, x, row_map, weights, *, num_rows, out_dtype, has_weig
         return None, None, None
     ct_x = ct_w = None
     if ad.is_undefined_primal(x):
-        ct_x = _sum_to_batch(unpermute(ct, row_map, weights, x.aval.dtype, has_weights=has_weights), x)
+        ct_x = sum_to_batch(unpermute(ct, row_map, weights, x.aval.dtype, has_weights=has_weights), x)
     if ad.is_undefined_primal(weights):
-        ct_w = _sum_to_batch(weight_grad(x, ct, row_map, weights.aval.dtype), weights)
+        ct_w = sum_to_batch(weight_grad(x, ct, row_map, weights.aval.dtype), weights)
     return ct_x, None, ct_w
 
 
@@ -269,9 +228,9 @@ def _weight_grad_transpose(ct, c, x, row_map, *, out_dtype):
         return None, None, None
     ct_c = ct_x = None
     if ad.is_undefined_primal(c):
-        ct_c = _sum_to_batch(unpermute(x, row_map, ct, c.aval.dtype, has_weights=True), c)
+        ct_c = sum_to_batch(unpermute(x, row_map, ct, c.aval.dtype, has_weights=True), c)
     if ad.is_undefined_primal(x):
-        ct_x = _sum_to_batch(scatter(c, row_map, ct, x.aval.shape[1], x.aval.dtype, has_weights=True), x)
+        ct_x = sum_to_batch(scatter(c, row_map, ct, x.aval.shape[1], x.aval.dtype, has_weights=True), x)
     return ct_c, ct_x, None
 
 
@@ -303,7 +262,7 @@ def _unpermute_tangent_transpose(ct, dx, dw, x, row_map, weights, *, out_dtype):
         ct_w = weight_grad(ct, dx, row_map, weights.aval.dtype)
     operands = (dx, dw, x, row_map, weights)
     cts = (ct_dx, ct_dw, ct_x, None, ct_w)
-    return tuple(None if c is None else _sum_to_batch(c, o) for c, o in zip(cts, operands))
+    return tuple(None if c is None else sum_to_batch(c, o) for c, o in zip(cts, operands))
 
 
 def _unpermute_bwd_jvp(primals, tangents, *, x_out_dtype, w_out_dtype):
@@ -326,13 +285,13 @@ def _unpermute_bwd_jvp(primals, tangents, *, x_out_dtype, w_out_dtype):
 permute_p.def_abstract_eval(shapes.permute)
 _register_lowerings(permute_p, lowering.reference_permute, "permute", shapes.permute,
                     ("num_experts", "num_local_experts", "align_size", "has_map"), _permute_workspace)
-batching.primitive_batchers[permute_p] = _batcher(permute_p)
+batching.primitive_batchers[permute_p] = batcher(permute_p)
 ad.primitive_jvps[permute_p] = _permute_jvp
 
 # ---- moe_unpermute --------------------------------------------------------------------------
 unpermute_p.def_abstract_eval(shapes.unpermute)
 _register_lowerings(unpermute_p, lowering.reference_unpermute, "unpermute", shapes.unpermute, ("has_weights",))
-batching.primitive_batchers[unpermute_p] = _batcher(unpermute_p)
+batching.primitive_batchers[unpermute_p] = batcher(unpermute_p)
 ad.primitive_jvps[unpermute_p] = _unpermute_jvp
 ad.primitive_transposes[unpermute_p] = _unpermute_transpose
 
@@ -340,21 +299,21 @@ ad.primitive_transposes[unpermute_p] = _unpermute_transpose
 scatter_p.def_abstract_eval(shapes.scatter)
 _register_lowerings(scatter_p, lowering.reference_scatter, "scatter", shapes.scatter, ("has_weights",),
                     _scatter_workspace)
-batching.primitive_batchers[scatter_p] = _batcher(scatter_p)
+batching.primitive_batchers[scatter_p] = batcher(scatter_p)
 ad.primitive_jvps[scatter_p] = _bilinear_jvp(scatter_p, (0, 2))  # bilinear in (x, weights)
 ad.primitive_transposes[scatter_p] = _scatter_transpose
 
 # ---- moe_weight_grad ------------------------------------------------------------------------
 weight_grad_p.def_abstract_eval(shapes.weight_grad)
 _register_lowerings(weight_grad_p, lowering.reference_weight_grad, "weight_grad", shapes.weight_grad)
-batching.primitive_batchers[weight_grad_p] = _batcher(weight_grad_p)
+batching.primitive_batchers[weight_grad_p] = batcher(weight_grad_p)
 ad.primitive_jvps[weight_grad_p] = _bilinear_jvp(weight_grad_p, (0, 1))  # bilinear in (c, x)
 ad.primitive_transposes[weight_grad_p] = _weight_grad_transpose
 
 # ---- moe_unpermute_tangent (composite everywhere: two unpermutes) ------------------------------
 unpermute_tangent_p.def_abstract_eval(shapes.unpermute_tangent)
 _register_lowerings(unpermute_tangent_p, _composite_unpermute_tangent)
-batching.primitive_batchers[unpermute_tangent_p] = _batcher(unpermute_tangent_p)
+batching.primitive_batchers[unpermute_tangent_p] = batcher(unpermute_tangent_p)
 ad.primitive_jvps[unpermute_tangent_p] = _unpermute_tangent_jvp
 ad.primitive_transposes[unpermute_tangent_p] = _unpermute_tangent_transpose
 
@@ -363,7 +322,7 @@ unpermute_bwd_p.def_abstract_eval(shapes.unpermute_bwd)
 _register_lowerings(unpermute_bwd_p, _composite_unpermute_bwd)
 if _native.has_target("cuda", "unpermute_bwd"):
     mlir.register_lowering(unpermute_bwd_p, _fused_unpermute_bwd_rule(), platform="cuda")
-batching.primitive_batchers[unpermute_bwd_p] = _batcher(unpermute_bwd_p)
+batching.primitive_batchers[unpermute_bwd_p] = batcher(unpermute_bwd_p)
 ad.primitive_jvps[unpermute_bwd_p] = _unpermute_bwd_jvp
 
 # Their kernel lowerings partition under sharded jit (lowering.py).

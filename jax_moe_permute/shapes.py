@@ -11,16 +11,9 @@ import jax.numpy as jnp
 
 from . import reference
 from ._compat import shaped_like
+from .batch_axis import batch_extent
 
 MAX_ROWS = 2**31 - 1  # row_map is int32
-
-
-def batch_extent(*avals) -> int:
-    sizes = {a.shape[0] for a in avals}
-    batch = max(sizes)
-    if not sizes <= {1, batch}:
-        raise ValueError(f"jax_moe_permute: inconsistent batch extents {sorted(sizes)}")
-    return batch
 
 
 def _check_weights(weights, row_map, has_weights: bool, op: str) -> None:
