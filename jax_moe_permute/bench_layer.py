@@ -4,7 +4,7 @@ ours against the same math in pure JAX and against dense GEMMs of the same FLOPs
     python -m jax_moe_permute.bench --ops layer,layer_bwd [--model mixtral,qwen3,deepseek]
                                     [--tokens 1,64] [--json out.json] [--plot out.png]
 
-ours:      route -> moe_permute -> grouped GEMM (`layer.grouped_matmul`) -> SwiGLU -> grouped GEMM
+ours:      route -> moe_permute -> grouped GEMM (`jax_moe_permute.ragged_dot`) -> SwiGLU -> grouped GEMM
            -> moe_unpermute (`jax_moe_permute.moe_mlp`);
 reference: route -> argsort + take -> jax.lax.ragged_dot -> SwiGLU -> jax.lax.ragged_dot ->
            gather + weighted sum (`layer.reference_moe_mlp`), the way JAX MoE code is written today;
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import bench, layer, reference
+from .grouped_gemm import ragged_dot
 from . import ops as jmp_ops
 from .routing import route
 
@@ -76,7 +77,7 @@ def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations
     """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone."""
     E = w_in.shape[0]
     lib = jmp_ops if impl == "ours" else reference
-    dot = layer.grouped_matmul if impl == "ours" else jax.lax.ragged_dot
+    dot = ragged_dot if impl == "ours" else jax.lax.ragged_dot
     unpermute = lambda y, w, row_map: lib.moe_unpermute(y, row_map, w, out_dtype=x.dtype)
     stages = {
         "route": lambda x, router: route(layer.router_logits(x, router), K).weights,

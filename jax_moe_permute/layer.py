@@ -4,13 +4,13 @@ routing.py."""
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from . import ops
+from .grouped_gemm import ragged_dot
 from .routing import check_routing_args
 
 # name: (activation applied to the gate half, gated). Gated ones split w_in's output into
@@ -30,15 +30,6 @@ def check_activation(activation: str, where: str = "moe_mlp") -> bool:
     return ACTIVATIONS[activation][1]
 
 
-def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [R, H] @ weights [G, H, F] by group: rows of group g (consecutive, group_sizes [G])
-    use weights[g]; rows past sum(group_sizes) give zeros. The package's own grouped GEMM
-    (`jax_moe_permute.ragged_dot`) where the package has one, else jax.lax.ragged_dot."""
-    package = sys.modules[__package__]
-    dot = getattr(package, "ragged_dot", None) or jax.lax.ragged_dot
-    return dot(rows, weights, group_sizes)
-
-
 def apply_activation(h: jax.Array, activation: str) -> jax.Array:
     """[R, 2F] -> [R, F] for the gated activations (gate = first F columns), [R, F] -> [R, F] else."""
     fn, gated = ACTIVATIONS[activation]
@@ -49,7 +40,7 @@ def apply_activation(h: jax.Array, activation: str) -> jax.Array:
 
 
 def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: jax.Array,
-               activation: str = "swiglu", matmul: Callable = grouped_matmul) -> jax.Array:
+               activation: str = "swiglu", matmul: Callable = ragged_dot) -> jax.Array:
     """Each group's MLP on its rows: rows [R, H] grouped by expert (group_sizes [L]), w_in
     [L, H, 2F] (gated) or [L, H, F], w_out [L, F, H'] -> [R, H']. This is the `expert_fn` that
     expert parallelism calls on a device's local experts."""
