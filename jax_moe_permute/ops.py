@@ -39,7 +39,7 @@ def _check_int(x, name: str, op: str):
         raise TypeError(f"{op}: {name} must have an integer dtype, got {jnp.dtype(x.dtype).name}")
 
 
-def _static_int(value, name: str, op: str, minimum: int = 1) -> int:
+def static_int(value, name: str, op: str, minimum: int = 1) -> int:
     try:
         value = operator.index(value)
     except TypeError:
@@ -79,17 +79,17 @@ def moe_permute(
     _check_array(topk_ids, "topk_ids", op, 2, "[T, K]")
     _check_float(hidden, "hidden", op, HIDDEN_DTYPES)
     _check_int(topk_ids, "topk_ids", op)
-    num_experts = _static_int(num_experts, "num_experts", op)
-    align_size = _static_int(align_size, "align_size", op)
+    num_experts = static_int(num_experts, "num_experts", op)
+    align_size = static_int(align_size, "align_size", op)
     if expert_map is None:
-        if num_local_experts is not None and _static_int(num_local_experts, "num_local_experts", op) != num_experts:
+        if num_local_experts is not None and static_int(num_local_experts, "num_local_experts", op) != num_experts:
             raise ValueError(f"{op}: num_local_experts ({num_local_experts}) without expert_map must equal "
                              f"num_experts ({num_experts})")
         num_local, map_operand = num_experts, primitives.placeholder(2, jnp.int32)
     else:
         if num_local_experts is None:
             raise ValueError(f"{op}: num_local_experts is required when expert_map is given")
-        num_local = _static_int(num_local_experts, "num_local_experts", op)
+        num_local = static_int(num_local_experts, "num_local_experts", op)
         _check_array(expert_map, "expert_map", op, 1, f"({num_experts},)")
         _check_int(expert_map, "expert_map", op)
         map_operand = to_int32(expert_map)[None]

@@ -78,8 +78,8 @@ def moe_ep(
     if topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{op}: hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must be [T, H], [T, K], [T, K]")
-    num_experts = ops._static_int(num_experts, "num_experts", op)
-    align_size = ops._static_int(align_size, "align_size", op)
+    num_experts = ops.static_int(num_experts, "num_experts", op)
+    align_size = ops.static_int(align_size, "align_size", op)
     if not callable(expert_fn):
         raise TypeError(f"{op}: expert_fn must be callable (rows [R, H], group_sizes [L]) -> [R, H']")
     if dispatch not in DISPATCHES:

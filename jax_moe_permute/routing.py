@@ -7,11 +7,12 @@ losses are sensitive to rounding, and the router is a negligible share of the la
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+
+from .ops import static_int
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -45,20 +46,10 @@ class Routing(NamedTuple):
     aux: RouterAux
 
 
-def _static_int(value, name: str, minimum: int = 1) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"route: {name} must be a static Python int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"route: {name} must be >= {minimum}, got {value}")
-    return value
-
-
 def check_routing_args(num_experts: int, top_k: int, scoring: str, num_groups, topk_groups) -> None:
     """The checks `route` makes on its static arguments (the modules make them at construction)."""
-    num_experts = _static_int(num_experts, "num_experts (logits.shape[1])")
-    top_k = _static_int(top_k, "top_k")
+    num_experts = static_int(num_experts, "num_experts (logits.shape[1])", "route")
+    top_k = static_int(top_k, "top_k", "route")
     if top_k > num_experts:
         raise ValueError(f"route: top_k ({top_k}) must be <= the number of experts ({num_experts})")
     if scoring not in SCORINGS:
@@ -66,8 +57,8 @@ def check_routing_args(num_experts: int, top_k: int, scoring: str, num_groups, t
     if (num_groups is None) != (topk_groups is None):
         raise ValueError("route: num_groups and topk_groups must be given together")
     if num_groups is not None:
-        num_groups = _static_int(num_groups, "num_groups")
-        topk_groups = _static_int(topk_groups, "topk_groups")
+        num_groups = static_int(num_groups, "num_groups", "route")
+        topk_groups = static_int(topk_groups, "topk_groups", "route")
         if num_experts % num_groups:
             raise ValueError(f"route: num_groups ({num_groups}) must divide the number of experts ({num_experts})")
         if topk_groups > num_groups:
