@@ -1,8 +1,10 @@
 """The few places where jax versions differ for us, kept in one module.
 
-Varying manual axes (shard_map's `check_vma`): jax 0.10 spells an aval's set of varying axes
-`aval.manual_axis_type.varying`, earlier releases `aval.vma`; `pcast(..., to="varying")`
-replaced `pvary`.
+- Varying manual axes (shard_map's `check_vma`): jax 0.10 spells an aval's set of varying axes
+  `aval.manual_axis_type.varying`, earlier releases `aval.vma`; `pcast(..., to="varying")`
+  replaced `pvary`; explicit-sharding avals carry an output sharding.
+- Partitioning our kernel calls (`custom_partitioning` inside a primitive's lowering) needs the
+  device assignment at lowering time, which jax fixes only for primitives it knows need it.
 """
 
 from __future__ import annotations
