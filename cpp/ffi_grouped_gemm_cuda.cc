@@ -4,7 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <optional>
+#include <utility>
 #include <type_traits>
 #include <string>
 
@@ -26,12 +29,38 @@ std::optional<Dtype> gemm_dtype(ffi::DataType t) {
   return std::nullopt;
 }
 
+constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}};
+
+// The tile of one call. The weight gradient's output rows are the weights' K: always large.
+// MOE_GROUPED_GEMM_TILE (e.g. "64x128") forces a tile of the row-grouped GEMMs, to measure them;
+// nullopt if it names none.
+std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
+  if (layout == Layout::kWeightGrad) return Tile::k128x256;
+  if (const char* forced = std::getenv("MOE_GROUPED_GEMM_TILE")) {
+    for (auto [tile, name] : kTileNames)
+      if (std::string(forced) == name) return tile;
+    return std::nullopt;
+  }
+  // Measured on the H200 (docs/grouped-gemm.md): 64-row tiles win while the average group fits
+  // one (decode), 128-row tiles from 128 rows per group up (training and prefill).
+  return a.rows <= 64 * a.groups ? Tile::k64x256 : Tile::k128x256;
+}
+
+template <Dtype D, Layout L>
+cudaError_t dispatch_tile(Tile tile, const GroupedGemmArgs& a, cudaStream_t stream) {
+  switch (tile) {
+    case Tile::k128x256: return grouped_gemm<D, L, Tile::k128x256>(a, stream);
+    case Tile::k64x256: return grouped_gemm<D, L, Tile::k64x256>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <Dtype D>
-cudaError_t dispatch_layout(Layout layout, const GroupedGemmArgs& a, cudaStream_t stream) {
+cudaError_t dispatch_layout(Layout layout, Tile tile, const GroupedGemmArgs& a, cudaStream_t stream) {
   switch (layout) {
-    case Layout::kForward: return grouped_gemm<D, Layout::kForward>(a, stream);
-    case Layout::kTransposedRhs: return grouped_gemm<D, Layout::kTransposedRhs>(a, stream);
-    case Layout::kWeightGrad: return grouped_gemm<D, Layout::kWeightGrad>(a, stream);
+    case Layout::kForward: return dispatch_tile<D, Layout::kForward>(tile, a, stream);
+    case Layout::kTransposedRhs: return dispatch_tile<D, Layout::kTransposedRhs>(tile, a, stream);
+    case Layout::kWeightGrad: return grouped_gemm<D, Layout::kWeightGrad, Tile::k128x256>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -59,8 +88,10 @@ ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmAr
   a.workspace_bytes = int64_t(workspace.size_bytes());
   if (a.workspace_bytes < ragged_dot_workspace_bytes(int64_t(layout), int64_t(dtype), a.batch * a.groups, a.batch))
     return invalid("ragged_dot: workspace too small");
-  cudaError_t err = dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, a, stream)
-                                          : dispatch_layout<Dtype::kF16>(layout, a, stream);
+  const std::optional<Tile> tile = choose_tile(layout, a);
+  if (!tile) return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE names no tile (128x256 or 64x256)");
+  cudaError_t err = dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, *tile, a, stream)
+                                          : dispatch_layout<Dtype::kF16>(layout, *tile, a, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -113,13 +144,19 @@ ffi::Error RaggedDotWeightGrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Any
 
 }  // namespace
 
+// The largest over the tiles a call may choose, so the choice can be made at run time.
 int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t problems, int64_t batch) {
   auto of = [&](auto d) -> int64_t {
     constexpr Dtype D = decltype(d)::value;
+    auto most = [&](auto l) {
+      constexpr Layout L = decltype(l)::value;
+      return std::max(grouped_gemm_workspace_bytes<D, L, Tile::k128x256>(problems, batch),
+                      grouped_gemm_workspace_bytes<D, L, Tile::k64x256>(problems, batch));
+    };
     switch (Layout(layout)) {
-      case Layout::kForward: return grouped_gemm_workspace_bytes<D, Layout::kForward>(problems, batch);
-      case Layout::kTransposedRhs: return grouped_gemm_workspace_bytes<D, Layout::kTransposedRhs>(problems, batch);
-      case Layout::kWeightGrad: return grouped_gemm_workspace_bytes<D, Layout::kWeightGrad>(problems, batch);
+      case Layout::kForward: return most(std::integral_constant<Layout, Layout::kForward>{});
+      case Layout::kTransposedRhs: return most(std::integral_constant<Layout, Layout::kTransposedRhs>{});
+      case Layout::kWeightGrad: return grouped_gemm_workspace_bytes<D, Layout::kWeightGrad, Tile::k128x256>(problems, batch);
     }
     return -1;
   };

@@ -17,6 +17,16 @@ enum class Layout : int {
 
 enum class Dtype : int { kBf16 = 0, kF16 = 1 };
 
+// CTA tile (rows x columns of the output) and schedule of one instantiation, chosen per call by
+// the average rows per group (ffi_grouped_gemm_cuda.cc). Both use cluster 1x2 (A multicast along N).
+enum class Tile : int {
+  // Cooperative: two consumer warpgroups split one tile's rows. Groups of 128 rows and more.
+  k128x256 = 0,
+  // Ping-pong: each consumer warpgroup owns a tile, so one's epilogue overlaps the other's
+  // mainloop. Decode: a few rows per group waste half as much of a 64-row tile.
+  k64x256 = 1,
+};
+
 // One launch covers batch * groups problems. Offsets are in elements; a batch stride of 0
 // broadcasts an operand of leading extent 1. Group g of batch b holds the rows
 // [start, start + size) with start = min(sum of earlier sizes, rows), size clamped to [0, rows - start].
@@ -36,10 +46,10 @@ struct GroupedGemmArgs {
 
 // Bytes of workspace for `problems` = batch * groups problems: per-problem shapes, pointers and
 // strides, per-batch row ends, and CUTLASS's own workspace.
-template <Dtype D, Layout L>
+template <Dtype D, Layout L, Tile T>
 int64_t grouped_gemm_workspace_bytes(int64_t problems, int64_t batch);
 
-template <Dtype D, Layout L>
+template <Dtype D, Layout L, Tile T>
 cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // Zero the output rows no group covers (kForward, kTransposedRhs) or the weight gradients of

@@ -240,15 +240,34 @@ cudaError_t run_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Defines the two entry points of one instantiation (use once per translation unit).
-#define MOE_GROUPED_GEMM_INSTANCE(DTYPE, LAYOUT, CONFIG)                                              \
+// The configuration of each tile (CUTLASS example 57's building blocks, with JAX's layouts).
+template <Dtype D, Layout L, Tile T>
+struct TileConfig;
+template <Dtype D, Layout L>
+struct TileConfig<D, L, Tile::k128x256> {
+  using type = GroupedGemmConfig<D, L, cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+template <Dtype D, Layout L>
+struct TileConfig<D, L, Tile::k64x256> {
+  using type = GroupedGemmConfig<D, L, cute::Shape<cute::_64, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+};
+
+// Defines the two entry points of one instantiation (use once per translation unit; CMake
+// generates one unit per instantiation so that they compile in parallel).
+#define MOE_GROUPED_GEMM_INSTANCE(DTYPE, LAYOUT, TILE)                                                \
+  namespace moe::gemm {                                                                                 \
   template <>                                                                                           \
-  int64_t grouped_gemm_workspace_bytes<DTYPE, LAYOUT>(int64_t problems, int64_t batch) {               \
-    return workspace_bytes<CONFIG>(problems, batch);                                                    \
+  int64_t grouped_gemm_workspace_bytes<DTYPE, LAYOUT, TILE>(int64_t problems, int64_t batch) {         \
+    return workspace_bytes<typename TileConfig<DTYPE, LAYOUT, TILE>::type>(problems, batch);            \
   }                                                                                                     \
   template <>                                                                                           \
-  cudaError_t grouped_gemm<DTYPE, LAYOUT>(const GroupedGemmArgs& args, cudaStream_t stream) {         \
-    return run_grouped_gemm<DTYPE, LAYOUT, CONFIG>(args, stream);                                       \
+  cudaError_t grouped_gemm<DTYPE, LAYOUT, TILE>(const GroupedGemmArgs& args, cudaStream_t stream) {   \
+    return run_grouped_gemm<DTYPE, LAYOUT, typename TileConfig<DTYPE, LAYOUT, TILE>::type>(args, stream); \
+  }                                                                                                     \
   }
 
 }  // namespace moe::gemm

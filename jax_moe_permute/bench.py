@@ -17,6 +17,7 @@ expert_map or align_size=128, the rows of routed tokens read plus every output r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -41,6 +42,7 @@ OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd", "permute_ep", "pe
 # permute_ep: expert parallelism, an expert_map keeping E/8 experts local; permute_align128:
 # expert blocks padded to 128 rows. Both are charged the rows they must read and write.
 ROUTED_OPS = ("permute_ep", "permute_align128")
+SLOW_CALL_S = 1.0  # device_us_or_none times a call this slow once more, not `iterations` times
 
 
 def on_gpu() -> bool:
@@ -52,9 +54,16 @@ def device_us(f: Callable, *args, iterations: int = 20) -> float:
     if on_gpu():
         from jax.experimental.mosaic.gpu import profiler
 
-        jax.block_until_ready(f(*args))
-        _, times_ms = profiler.measure(f, iterations=iterations)(*args)
-        times_ms = times_ms if isinstance(times_ms, (list, tuple)) else [times_ms]
+        out_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(jax.block_until_ready(f(*args))))
+        # CUPTI's measure keeps every iteration's outputs alive (a backward's dW can be 20 GB):
+        # batches of iterations whose outputs fit in half the free device memory.
+        stats = jax.devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        batch = max(1, min(iterations, int(free / 2 // out_bytes))) if free > 0 and out_bytes else iterations
+        times_ms = []
+        while len(times_ms) < iterations:
+            _, batch_ms = profiler.measure(f, iterations=batch)(*args)
+            times_ms += batch_ms if isinstance(batch_ms, (list, tuple)) else [batch_ms]
         return 1e3 * statistics.median(times_ms)
     jax.block_until_ready(f(*args))
     times = []
@@ -63,6 +72,35 @@ def device_us(f: Callable, *args, iterations: int = 20) -> float:
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)
+
+
+def none_if_out_of_memory(fn: Callable) -> Callable:
+    """Decorator: fn's result, or None (and a note) where XLA runs out of device memory, as the
+    pure-JAX ragged_dot's zero-padded expansion can, so one shape does not end a run."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - XLA's runtime error class differs across jax versions
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            print(f"  (out of memory: {str(err).splitlines()[0][:160]})", flush=True)
+            return None
+    return wrapped
+
+
+@none_if_out_of_memory
+def device_us_or_none(f: Callable, *args, iterations: int = 20) -> float | None:
+    """device_us of jitted f, but one more wall-clock call for a call slower than SLOW_CALL_S, and
+    None where it runs out of device memory."""
+    compiled = f.lower(*args).compile()
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    if time.perf_counter() - start > SLOW_CALL_S:
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        return 1e6 * (time.perf_counter() - start)
+    return device_us(compiled, *args, iterations=iterations)
 
 
 def copy_ceiling_tbps(nbytes: int = 2**32) -> float:

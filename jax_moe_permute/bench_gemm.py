@@ -21,14 +21,13 @@ cost more than LAX_MAX_EXPANDED_FLOPS or LAX_MAX_EXPANDED_BYTES.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.bench import copy_ceiling_tbps, device_us, on_gpu, save_rows
+from jax_moe_permute.bench import copy_ceiling_tbps, device_us_or_none, on_gpu, save_rows
 
 OPS = ("ragged_dot", "ragged_dot_bwd")
 # name: (experts G, top-k, rows per expert at uniform routing, K, N)
@@ -42,7 +41,6 @@ PROBLEMS = {
 }
 SMOKE_PROBLEMS = {"tiny": (4, 2, 64, 128, 256)}  # a CPU smoke test (tests/test_bench.py), not in the default set
 DECODE_TOKENS = (1, 8, 64)
-SLOW_CALL_S = 1.0  # a reference call this slow is timed once more, not `iterations` times
 # XLA:GPU may lower lax.ragged_dot to a dense dot over the zero-padded expansion (G times the
 # FLOPs); past this many expanded FLOPs the reference is not timed (about 1.5 s at 700 TFLOP/s).
 LAX_MAX_EXPANDED_FLOPS = 1e15
@@ -66,24 +64,6 @@ def group_sizes(kind: str, G: int, topk: int, rows_per_group: int, seed: int = 0
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(G, size=topk, replace=False) for _ in range(T)])
     return np.bincount(ids.ravel(), minlength=G).astype(np.int32)
-
-
-def timed(f, args, iterations: int) -> float | None:
-    """device_us of jitted f, or one timed call for very slow ones; None if it cannot run
-    (the reference can run out of memory)."""
-    try:
-        compiled = f.lower(*args).compile()
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        wall = time.perf_counter() - start
-        if wall > SLOW_CALL_S:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            return 1e6 * (time.perf_counter() - start)
-        return device_us(compiled, *args, iterations=iterations)
-    except Exception as err:  # noqa: BLE001 - report and go on with the other problems
-        print(f"  (not timed: {type(err).__name__}: {str(err)[:160]})", flush=True)
-        return None
 
 
 def fwd_bwd(fn):
@@ -124,15 +104,15 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
             args, dense_args = (lhs, rhs, ct), (lhs, dense_rhs, ct)
             # weights read by the forward and d lhs, dW written (every group's), activations.
             bound_bytes = 2 * weight_bytes + G * K * N * itemsize + 3 * (M * K + M * N) * itemsize
-        us = timed(ours, args, iterations)
+        us = device_us_or_none(ours, *args, iterations=iterations)
         ref_us = None
         expanded_bytes = G * M * K * itemsize
         if not on_gpu() or (G * flops <= LAX_MAX_EXPANDED_FLOPS and expanded_bytes <= LAX_MAX_EXPANDED_BYTES):
-            ref_us = timed(ref, args, max(3, iterations // 4))
+            ref_us = device_us_or_none(ref, *args, iterations=max(3, iterations // 4))
         else:
             print(f"  (lax.ragged_dot not timed: dense expansion of {G} x {flops:.2g} FLOPs, "
                   f"{expanded_bytes / 1e9:.0f} GB)", flush=True)
-        dense_us = timed(dense, dense_args, iterations)
+        dense_us = device_us_or_none(dense, *dense_args, iterations=iterations)
         tflops = lambda t: None if not t else flops / t / 1e6
         bound_us = bound_bytes / copy_tbps / 1e6
         rows.append(dict(problem=name, groups=kind, op=op, G=G, M=M, K=K, N=N, routed_groups=routed,

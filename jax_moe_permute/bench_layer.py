@@ -2,7 +2,7 @@
 ours against the same math in pure JAX and against dense GEMMs of the same FLOPs, in one run.
 
     python -m jax_moe_permute.bench --ops layer,layer_bwd [--model mixtral,qwen3,deepseek]
-                                    [--tokens 1,64] [--json out.json] [--plot out.png]
+        [--tokens 1,64] [--no-split] [--ref-split] [--json out.json] [--plot out.png]
 
 ours:      route -> moe_permute -> grouped GEMM (`jax_moe_permute.ragged_dot`) -> SwiGLU -> grouped GEMM
            -> moe_unpermute (`jax_moe_permute.moe_mlp`);
@@ -12,10 +12,19 @@ dense:     [T*K, H] @ [H, 2F] -> SwiGLU -> @ [F, H], the expert GEMMs' FLOPs as 
 
 FLOPs are the expert GEMMs' (6*T*K*H*F forward, twice that backward; the router's 2*T*H*E is
 left out). `layer_bwd` times the backward pass alone (its vjp function is an argument of the
-jitted call, as in bench.py). Each row also splits ours and the reference by stage, each stage
-timed alone on the previous stage's outputs (forward, or that stage's backward for layer_bwd).
-Device time as in bench.py: CUPTI kernel time on GPU, wall clock on CPU. On CPU the default model
-is "tiny" (the real shapes take minutes a call there).
+jitted call, as in bench.py). weight_bound_us moves weight_bytes at the run's copy bandwidth
+(bench.copy_ceiling_tbps): the weights of the experts the routing picks, read once, and for
+layer_bwd every expert's dW written (the gradient is dense). The decode goal: us within 1.5x of
+it at T = 1 and 64 (the `/bound` column).
+
+Ours is also split by stage (--no-split skips it; --ref-split splits the slow reference too),
+each stage timed alone on the previous stage's outputs (forward, or that stage's backward for
+layer_bwd); non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096).
+A timing that runs out of device memory (the reference's jax.lax.ragged_dot, which XLA lowers to
+a dense product over a zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left
+out of the plot. Device time as in bench.py: CUPTI kernel time on GPU (a call over a second: one
+wall-clock call), wall clock on CPU. On CPU the default model is "tiny" (the real shapes take
+minutes a call there).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import bench, layer, reference
 from .grouped_gemm import ragged_dot
@@ -65,15 +75,17 @@ def layer_fn(impl: str, K: int):
     return f
 
 
-def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float:
-    """Device time of f(*diff_args, *const_args), or of its backward pass alone."""
+@bench.none_if_out_of_memory
+def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float | None:
+    """Device time of f(*diff_args, *const_args), or of its backward pass alone; None out of memory."""
     if not bwd:
-        return bench.device_us(jax.jit(f), *diff_args, *const_args, iterations=iterations)
-    vjp = jax.vjp(jax.jit(lambda *d: f(*d, *const_args)), *diff_args)[1]
-    return bench.device_us(jax.jit(lambda v, c: v(c)), vjp, ct, iterations=iterations)
+        return bench.device_us_or_none(jax.jit(f), *diff_args, *const_args, iterations=iterations)
+    vjp = jax.vjp(jax.jit(lambda *d: f(*d, *const_args)), *diff_args)[1]  # runs the forward, untimed
+    return bench.device_us_or_none(jax.jit(lambda v, c: v(c)), vjp, ct, iterations=iterations)
 
 
-def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int) -> dict:
+@bench.none_if_out_of_memory
+def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int) -> dict | None:
     """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone."""
     E = w_in.shape[0]
     lib = jmp_ops if impl == "ours" else reference
@@ -108,40 +120,91 @@ def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations
     return out
 
 
-def bench_shape(model: str, T: int, ops, iterations: int = 20, dtype=jnp.bfloat16, split: bool = True):
+def non_gemm_share(split: dict | None) -> float | None:
+    """Share of the split's time outside the two grouped GEMMs (None where a stage is)."""
+    if split is None or None in split.values():
+        return None
+    return 1 - (split["gemm_in"] + split["gemm_out"]) / sum(split.values())
+
+
+def routed_experts(x, router, K: int) -> int:
+    """How many distinct experts the layer's routing picks for x (the weights decode must read)."""
+    ids = jax.jit(lambda x, router: route(layer.router_logits(x, router), K).ids)(x, router)
+    return int(np.unique(np.asarray(ids)).size)
+
+
+def weight_bytes(op: str, routed: int, E: int, H: int, F: int, itemsize: int) -> int:
+    """The fewest expert-weight bytes the timed pass moves: w_in [H, 2F] and w_out [F, H] of the
+    routed experts read once (the backward reads them for the input gradient only), and for
+    layer_bwd dW written for all E experts (zeros for the unrouted ones, still written)."""
+    per_expert = 3 * H * F * itemsize
+    return routed * per_expert + (E * per_expert if op == "layer_bwd" else 0)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20, dtype=jnp.bfloat16,
+                split: bool = True, ref_split: bool = False):
     E, K, H, F = MODELS[model]
     inp = layer_inputs(model, T, dtype)
+    moe_args = (inp["x"], inp["router"], inp["w_in"], inp["w_out"])
+    routed = routed_experts(inp["x"], inp["router"], K)
     flops_fwd = 6 * T * K * H * F
     rows = []
     for op in ops:
         bwd = op == "layer_bwd"
         flops = flops_fwd * (2 if bwd else 1)
-        moe_args = (inp["x"], inp["router"], inp["w_in"], inp["w_out"])
         times = {impl: timed(layer_fn(impl, K), moe_args, (), inp["ct"], bwd, iterations)
                  for impl in ("ours", "reference")}
         times["dense"] = timed(layer_fn("dense", K), (inp["x_dense"], inp["w_in"][0], inp["w_out"][0]), (),
                                inp["ct_dense"], bwd, iterations)
+        nbytes = weight_bytes(op, routed, E, H, F, jnp.dtype(dtype).itemsize)
+        bound_us = nbytes / copy_tbps / 1e6
         row = dict(model=model, T=T, E=E, K=K, H=H, F=F, op=op, flops=flops, us=times["ours"],
                    ref_us=times["reference"], dense_us=times["dense"],
-                   **{f"{k}TFLOPs": flops / times[impl] / 1e6 for k, impl in
-                      (("", "ours"), ("ref_", "reference"), ("dense_", "dense"))})
+                   speedup=ratio(times["reference"], times["ours"]),
+                   **{f"{k}TFLOPs": ratio(flops / 1e6, times[impl]) for k, impl in
+                      (("", "ours"), ("ref_", "reference"), ("dense_", "dense"))},
+                   routed_experts=routed, weight_bytes=nbytes, weight_bound_us=bound_us, copy_TBps=copy_tbps)
         if split:
             row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations)
+            row["non_gemm_share"] = non_gemm_share(row["split_us"])
+        if ref_split:
             row["ref_split_us"] = stage_split("reference", *moe_args, K, bwd, iterations)
         rows.append(row)
     return rows
 
 
+def _cell(x: float | None, spec: str, missing: str = "-") -> str:
+    """x formatted, or `missing` right-aligned to the spec's width."""
+    return format(x, spec) if x is not None else missing.rjust(int(spec.split(".")[0] or 0))
+
+
+HEADER = (f"{'model':9} {'T':>6} {'op':10} {'us':>10} {'ref us':>10} {'dense us':>10} {'speed-up':>8} "
+          f"{'TFLOP/s':>8} {'ref':>7} {'dense':>7} {'/bound':>7} {'non-GEMM':>8}  split (ours, us): "
+          + " / ".join(STAGES))
+
+
+def format_row(r) -> str:
+    if "split_us" not in r:
+        split = ""
+    elif r["split_us"] is None:
+        split = "OOM"
+    else:
+        split = " / ".join(_cell(r["split_us"][s], ".1f", "OOM") for s in STAGES)
+    share = r.get("non_gemm_share")
+    return (f"{r['model']:9} {r['T']:>6} {r['op']:10} {_cell(r['us'], '10.1f', 'OOM')} "
+            f"{_cell(r['ref_us'], '10.1f', 'OOM')} {_cell(r['dense_us'], '10.1f', 'OOM')} "
+            f"{_cell(r['speedup'], '7.2f')}{'x' if r['speedup'] is not None else ' '} "
+            f"{_cell(r['TFLOPs'], '8.1f')} {_cell(r['ref_TFLOPs'], '7.1f')} {_cell(r['dense_TFLOPs'], '7.1f')} "
+            f"{_cell(ratio(r['us'], r['weight_bound_us']), '7.2f')} "
+            f"{_cell(None if share is None else 100 * share, '7.1f')}{'%' if share is not None else ' '}  {split}")
+
+
 def format_table(rows) -> str:
-    head = (f"{'model':9} {'T':>6} {'op':10} {'us':>10} {'ref us':>10} {'dense us':>10} {'speed-up':>8} "
-            f"{'TFLOP/s':>8} {'ref':>7} {'dense':>7}  split (ours, us): " + " / ".join(STAGES))
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        split = " / ".join(f"{r['split_us'][s]:.1f}" for s in STAGES) if "split_us" in r else ""
-        lines.append(f"{r['model']:9} {r['T']:>6} {r['op']:10} {r['us']:10.1f} {r['ref_us']:10.1f} "
-                     f"{r['dense_us']:10.1f} {r['ref_us'] / r['us']:7.2f}x {r['TFLOPs']:8.1f} "
-                     f"{r['ref_TFLOPs']:7.1f} {r['dense_TFLOPs']:7.1f}  {split}")
-    return "\n".join(lines)
+    return "\n".join([HEADER, "-" * len(HEADER)] + [format_row(r) for r in rows])
 
 
 def plot(rows, path: str) -> None:
@@ -149,7 +212,6 @@ def plot(rows, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
@@ -157,16 +219,21 @@ def plot(rows, path: str) -> None:
         mine = [r for r in rows if r["model"] == model]
         ax = axes[0][col]
         for op in dict.fromkeys(r["op"] for r in mine):
-            pts = sorted((r["T"], r["TFLOPs"], r["ref_TFLOPs"], r["dense_TFLOPs"]) for r in mine if r["op"] == op)
-            T = [p[0] for p in pts]
-            line, = ax.plot(T, [p[1] for p in pts], marker="o", label=f"{op} ours")
-            ax.plot(T, [p[2] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{op} pure JAX")
-            ax.plot(T, [p[3] for p in pts], ls=":", color=line.get_color(), label=f"{op} dense GEMMs")
+            series = sorted((r for r in mine if r["op"] == op), key=lambda r: r["T"])
+            color = None
+            for key, label, style in (("TFLOPs", "ours", dict(marker="o")),
+                                      ("ref_TFLOPs", "pure JAX", dict(marker="x", ls="--")),
+                                      ("dense_TFLOPs", "dense GEMMs", dict(ls=":"))):
+                pts = [(r["T"], r[key]) for r in series if r[key] is not None]  # out of memory: no point
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, label=f"{op} {label}",
+                                **style)
+                color = line.get_color()
         ax.set(xscale="log", xlabel="tokens T", ylabel="TFLOP/s", title=model)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         ax = axes[1][col]  # where ours spends its forward time, by T
-        fwd = sorted((r for r in mine if r["op"] == "layer" and "split_us" in r), key=lambda r: r["T"])
+        fwd = sorted((r for r in mine if r["op"] == "layer" and r.get("non_gemm_share") is not None),
+                     key=lambda r: r["T"])
         bottom = np.zeros(len(fwd))
         for stage in STAGES:
             share = np.array([r["split_us"][stage] / sum(r["split_us"].values()) for r in fwd])
@@ -185,7 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the grid)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--no-split", action="store_true", help="skip the per-stage time split")
+    p.add_argument("--no-split", action="store_true", help="skip the per-stage time split of ours")
+    p.add_argument("--ref-split", action="store_true", help="split the reference by stage too (slow)")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args(argv)
@@ -199,13 +267,19 @@ def main(argv=None) -> int:
         tokens = tuple(int(t) for t in args.tokens.split(","))
     elif args.quick:
         tokens = (1, 64)
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind})", flush=True)
+    copy_tbps = bench.copy_ceiling_tbps()
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.3g} TB/s",
+          flush=True)
+    print(HEADER + "\n" + "-" * len(HEADER), flush=True)
     rows = []
     jobs = [(m, t) for m in (args.model or default_models).split(",") for t in tokens]
     for model, T in bench.progress(jobs):
-        rows += bench_shape(model, T, ops, iterations=args.iterations, split=not args.no_split)
+        new = bench_shape(model, T, ops, copy_tbps, iterations=args.iterations, split=not args.no_split,
+                          ref_split=args.ref_split)
+        rows += new
         bench.save_rows(rows, args.json)
-    print(format_table(rows))
+        for r in new:  # as measured, so a run cut short still shows its rows
+            print(format_row(r), flush=True)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 from . import _compat
 from .gemm_primitives import kernels_available, ragged_dot_bind
 
-__all__ = ["ragged_dot", "kernels_available"]
+__all__ = ["ragged_dot", "kernels_available", "TILES"]
+
+# The kernels' tiles (output rows x columns per CTA, cpp/grouped_gemm.h), chosen per call by the
+# problem's shape. The environment variable MOE_GROUPED_GEMM_TILE, read at every call, forces one
+# of them on the forward and d lhs GEMMs (to measure or test it); any other value is an error.
+TILES = ("128x256", "64x256")
 
 _PRIMITIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -16,7 +16,7 @@ cases=("$@")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
 for case in "${cases[@]}"; do
-  for tool in memcheck racecheck initcheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     log="$log_dir/sanitizer-$case-$tool.log"
     (cd /tmp && compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
        python3 "$here/$case.py") >"$log" 2>&1

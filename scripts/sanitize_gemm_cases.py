@@ -1,17 +1,22 @@
 """Small grouped-GEMM cases for compute-sanitizer (memcheck, racecheck, initcheck):
 
-    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py
+    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
-Forward, d lhs and dW kernels (bf16 and f16) with empty groups, rows past the sum, a single
+(every tile of grouped_gemm.TILES unless some are named: racecheck is slow on these kernels)
+
+Forward, d lhs and dW kernels (bf16 and f16, every tile of the forward and d lhs) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
 result against jax.lax.ragged_dot in float32 so an uninitialised read also shows as a mismatch."""
+
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.grouped_gemm import kernels_available
+from jax_moe_permute.grouped_gemm import TILES, kernels_available
 
 CASES = [  # (M, K, N, group sizes)
     (100, 64, 72, [30, 0, 50, 0]),  # empty groups, 20 rows past the sum
@@ -29,7 +34,13 @@ def check(out, ref, dtype):
 
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
-    key = jax.random.PRNGKey(0)
+    for tile in sys.argv[1:] or TILES:
+        os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call
+        run_cases(jax.random.PRNGKey(0))
+    print("SANITIZE GEMM CASES DONE")
+
+
+def run_cases(key):
     for dtype in (jnp.bfloat16, jnp.float16):
         for M, K, N, sizes in CASES:
             k1, k2, k3, key = jax.random.split(key, 4)
@@ -52,7 +63,6 @@ def main():
         out = jax.vmap(jmp.ragged_dot, (0, None, 0))(lhs, rhs, gs)
         for v in range(3):
             check(out[v], jax.lax.ragged_dot(lhs[v].astype(jnp.float32), rhs.astype(jnp.float32), gs[v]), dtype)
-    print("SANITIZE GEMM CASES DONE")
 
 
 if __name__ == "__main__":

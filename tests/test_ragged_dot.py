@@ -17,7 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_moe_permute as jmp
-from jax_moe_permute.grouped_gemm import kernels_available
+from jax_moe_permute.grouped_gemm import TILES, kernels_available
 
 from conftest import fresh_key, needs_gpu, on_gpu, random_float
 
@@ -278,6 +278,24 @@ def test_kernels_larger(dtype, G, M, K, N):
     assert_matches(d_lhs, r_lhs, dtype)
     assert_matches(d_rhs, r_rhs, dtype)
     assert np.all(np.asarray(out[int(sizes.sum()):], np.float32) == 0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", TILES)
+def test_kernels_every_tile(tile, monkeypatch):
+    """Each tile, forced (MOE_GROUPED_GEMM_TILE is read at every call), forward and d lhs."""
+    G, M, K, N = 24, 700, 200, 328
+    lhs, rhs, cot = (random_float(s, jnp.bfloat16) for s in ((M, K), (G, K, N), (M, N)))
+    sizes = random_sizes(G, M - 9)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", tile)
+    out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref, ref_vjp = jax.vjp(lambda a, b: ref_ragged_dot(a, b, sizes), f32(lhs), f32(rhs))
+    assert_matches(out, ref, jnp.bfloat16)
+    assert_matches(vjp(cot)[0], ref_vjp(f32(cot))[0], jnp.bfloat16)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "32x32")
+    with pytest.raises(Exception, match="MOE_GROUPED_GEMM_TILE"):
+        jax.block_until_ready(jmp.ragged_dot(lhs, rhs, sizes))
 
 
 @needs_gpu
