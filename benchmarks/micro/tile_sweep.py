@@ -1,0 +1,64 @@
+"""Time each grouped-GEMM tile on the benchmark's problems, forcing it with MOE_GROUPED_GEMM_TILE
+(read by the kernels at every call), to choose the tile rule in cpp/ffi_grouped_gemm_cuda.cc:
+
+    python benchmarks/micro/tile_sweep.py OUT.json [KINDS]      (KINDS: comma-separated, default below)
+
+Forward and forward+backward (d lhs uses the same tile; dW always the large one) per tile, the
+same-run dense GEMM, and for decode the time over the weight-read bound at the copy bandwidth.
+Each tile's output is compared with the first tile's (max_diff). Needs an sm_90 GPU.
+benchmarks/results/ragged_dot-tiles-h200.json holds a run with three more tiles, since removed
+(128x128 cooperative, 64x128 and 64x64 ping-pong); docs/design-notes.md has the numbers."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_permute as jmp
+from jax_moe_permute.bench import copy_ceiling_tbps, device_us
+from jax_moe_permute.bench_gemm import PROBLEMS, fwd_bwd, group_sizes
+from jax_moe_permute.grouped_gemm import TILES
+
+KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
+
+
+def main(out_path: str, kinds=KINDS) -> None:
+    assert jmp.grouped_gemm.kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
+    copy = copy_ceiling_tbps()
+    rows = []
+    for name, (G, topk, rows_per_group, K, N) in PROBLEMS.items():
+        for kind in kinds:
+            sizes = group_sizes(kind, G, topk, rows_per_group)
+            M = int(sizes.sum())
+            k = jax.random.split(jax.random.PRNGKey(0), 3)
+            lhs = jax.random.normal(k[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+            rhs = (jax.random.normal(k[1], (G, K, N), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
+            ct = jax.random.normal(k[2], (M, N), jnp.float32).astype(jnp.bfloat16)
+            gs = jnp.asarray(sizes)
+            fwd = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
+            train = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
+            dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10)
+            bound_us = (np.count_nonzero(sizes) * K * N + M * K + M * N) * 2 / copy / 1e6
+            first = None
+            for tile in TILES:
+                os.environ["MOE_GROUPED_GEMM_TILE"] = tile
+                y = np.asarray(fwd(lhs, rhs, gs), np.float32)
+                first = y if first is None else first
+                us = device_us(fwd, lhs, rhs, gs, iterations=10)
+                train_us = None if kind.startswith("decode") else device_us(train, lhs, rhs, ct, iterations=5)
+                flops = 2 * M * K * N
+                rows.append(dict(problem=name, kind=kind, tile=tile, M=M, us=us, fb_us=train_us, dense_us=dense_us,
+                                 tflops=flops / us / 1e6, fb_tflops=3 * flops / train_us / 1e6 if train_us else None,
+                                 dense_tflops=flops / dense_us / 1e6, bound_ratio=us / bound_us,
+                                 max_diff=float(np.abs(y - first).max(initial=0.0))))
+                print(rows[-1], flush=True)
+            del os.environ["MOE_GROUPED_GEMM_TILE"]
+            with open(out_path, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else KINDS)
