@@ -17,9 +17,9 @@ jitted call, as in bench.py). weight_bound_us moves weight_bytes at the run's co
 layer_bwd every expert's dW written (the gradient is dense). The decode goal: us within 1.5x of
 it at T = 1 and 64 (the `/bound` column).
 
-Ours is also split by stage (--no-split skips it; --ref-split splits the slow reference too),
-each stage timed alone on the previous stage's outputs (forward, or that stage's backward for
-layer_bwd); non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096).
+--no-reference skips the pure-JAX layer ("skipped" in the table). Ours is also split by stage
+(--no-split skips it; --ref-split splits the slow reference too), each stage timed alone on the
+previous stage's outputs (forward, or that stage's backward for layer_bwd); non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096).
 A timing that runs out of device memory (the reference's jax.lax.ragged_dot, which XLA lowers to
 a dense product over a zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left
 out of the plot. Device time as in bench.py: CUPTI kernel time on GPU (a call over a second: one
@@ -146,7 +146,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20, dtype=jnp.bfloat16,
-                split: bool = True, ref_split: bool = False):
+                split: bool = True, ref_split: bool = False, with_reference: bool = True):
     E, K, H, F = MODELS[model]
     inp = layer_inputs(model, T, dtype)
     moe_args = (inp["x"], inp["router"], inp["w_in"], inp["w_out"])
@@ -157,7 +157,8 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
         bwd = op == "layer_bwd"
         flops = flops_fwd * (2 if bwd else 1)
         times = {impl: timed(layer_fn(impl, K), moe_args, (), inp["ct"], bwd, iterations)
-                 for impl in ("ours", "reference")}
+                 for impl in ("ours", "reference") if impl == "ours" or with_reference}
+        times.setdefault("reference", None)
         times["dense"] = timed(layer_fn("dense", K), (inp["x_dense"], inp["w_in"][0], inp["w_out"][0]), (),
                                inp["ct_dense"], bwd, iterations)
         nbytes = weight_bytes(op, routed, E, H, F, jnp.dtype(dtype).itemsize)
@@ -167,7 +168,8 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
                    speedup=ratio(times["reference"], times["ours"]),
                    **{f"{k}TFLOPs": ratio(flops / 1e6, times[impl]) for k, impl in
                       (("", "ours"), ("ref_", "reference"), ("dense_", "dense"))},
-                   routed_experts=routed, weight_bytes=nbytes, weight_bound_us=bound_us, copy_TBps=copy_tbps)
+                   routed_experts=routed, weight_bytes=nbytes, weight_bound_us=bound_us, copy_TBps=copy_tbps,
+                   ref_skipped=not with_reference)
         if split:
             row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations)
             row["non_gemm_share"] = non_gemm_share(row["split_us"])
@@ -196,7 +198,8 @@ def format_row(r) -> str:
         split = " / ".join(_cell(r["split_us"][s], ".1f", "OOM") for s in STAGES)
     share = r.get("non_gemm_share")
     return (f"{r['model']:9} {r['T']:>6} {r['op']:10} {_cell(r['us'], '10.1f', 'OOM')} "
-            f"{_cell(r['ref_us'], '10.1f', 'OOM')} {_cell(r['dense_us'], '10.1f', 'OOM')} "
+            f"{_cell(r['ref_us'], '10.1f', 'skipped' if r.get('ref_skipped') else 'OOM')} "
+            f"{_cell(r['dense_us'], '10.1f', 'OOM')} "
             f"{_cell(r['speedup'], '7.2f')}{'x' if r['speedup'] is not None else ' '} "
             f"{_cell(r['TFLOPs'], '8.1f')} {_cell(r['ref_TFLOPs'], '7.1f')} {_cell(r['dense_TFLOPs'], '7.1f')} "
             f"{_cell(ratio(r['us'], r['weight_bound_us']), '7.2f')} "
@@ -254,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--no-split", action="store_true", help="skip the per-stage time split of ours")
     p.add_argument("--ref-split", action="store_true", help="split the reference by stage too (slow)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the pure-JAX layer (minutes a call at T = 16384)")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args(argv)
@@ -275,7 +280,7 @@ def main(argv=None) -> int:
     jobs = [(m, t) for m in (args.model or default_models).split(",") for t in tokens]
     for model, T in bench.progress(jobs):
         new = bench_shape(model, T, ops, copy_tbps, iterations=args.iterations, split=not args.no_split,
-                          ref_split=args.ref_split)
+                          ref_split=args.ref_split, with_reference=not args.no_reference)
         rows += new
         bench.save_rows(rows, args.json)
         for r in new:  # as measured, so a run cut short still shows its rows

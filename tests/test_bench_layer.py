@@ -62,6 +62,14 @@ def test_out_of_memory_is_recorded_not_raised(tmp_path, monkeypatch, capsys):
     assert "out of memory" in capsys.readouterr().out
 
 
+def test_reference_can_be_skipped(monkeypatch):
+    monkeypatch.setattr(bench_layer.layer, "reference_moe_mlp", None)  # would fail if called
+    rows = bench_layer.bench_shape("tiny", 3, ["layer"], copy_tbps=1.0, iterations=2, split=False,
+                                   with_reference=False)
+    assert rows[0]["ref_us"] is None and rows[0]["ref_skipped"] and rows[0]["us"] > 0
+    assert " skipped " in bench_layer.format_table(rows).splitlines()[2]
+
+
 def test_other_errors_still_raise(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a bug, not a shortage of memory")
