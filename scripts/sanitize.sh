@@ -4,7 +4,8 @@
 # their backward kernels) and scripts/sanitize_gemm_cases.py (the grouped GEMM; sm_90 only).
 # Needs a CUDA GPU and the package installed.
 # Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and both case scripts; one
-# sanitizer-<cases>-<tool>.log per case script and tool)
+# sanitizer-<cases>-<tool>.log per case script and tool; SANITIZE_TOOLS="memcheck initcheck"
+# runs only those tools)
 # Prints one summary line per case script and tool; exits non-zero if any tool reports an error
 # or the cases do not finish.
 set -uo pipefail
