@@ -32,7 +32,7 @@ std::optional<Dtype> gemm_dtype(ffi::DataType t) {
 constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}};
 
 // The tile of one call. The weight gradient's output rows are the weights' K: always large.
-// MOE_GROUPED_GEMM_TILE (e.g. "64x128") forces a tile of the row-grouped GEMMs, to measure them;
+// MOE_GROUPED_GEMM_TILE (e.g. "64x256") forces a tile of the row-grouped GEMMs, to measure them;
 // nullopt if it names none.
 std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
   if (layout == Layout::kWeightGrad) return Tile::k128x256;
