@@ -66,6 +66,18 @@ def group_sizes(kind: str, G: int, topk: int, rows_per_group: int, seed: int = 0
     return np.bincount(ids.ravel(), minlength=G).astype(np.int32)
 
 
+def problem_inputs(name: str, kind: str, dtype=jnp.bfloat16):
+    """(group sizes, lhs [M, K], rhs [G, K, N], cotangent [M, N]) of one problem, random normal."""
+    G, topk, rows_per_group, K, N = {**PROBLEMS, **SMOKE_PROBLEMS}[name]
+    sizes = group_sizes(kind, G, topk, rows_per_group)
+    M = int(sizes.sum())
+    keys = jax.random.split(jax.random.PRNGKey(hash((name, kind)) % 2**31), 4)
+    lhs = jax.random.normal(keys[0], (M, K), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(keys[1], (G, K, N), jnp.float32) * K**-0.5).astype(dtype)
+    ct = jax.random.normal(keys[2], (M, N), jnp.float32).astype(dtype)
+    return sizes, lhs, rhs, ct
+
+
 def fwd_bwd(fn):
     """(out, d lhs, d rhs) of fn at a cotangent: the three GEMMs of a training step."""
     def run(a, b, ct):
@@ -76,12 +88,8 @@ def fwd_bwd(fn):
 
 def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, dtype=jnp.bfloat16):
     G, topk, rows_per_group, K, N = {**PROBLEMS, **SMOKE_PROBLEMS}[name]
-    sizes = group_sizes(kind, G, topk, rows_per_group)
+    sizes, lhs, rhs, ct = problem_inputs(name, kind, dtype)
     M = int(sizes.sum())
-    keys = jax.random.split(jax.random.PRNGKey(hash((name, kind)) % 2**31), 4)
-    lhs = jax.random.normal(keys[0], (M, K), jnp.float32).astype(dtype)
-    rhs = (jax.random.normal(keys[1], (G, K, N), jnp.float32) * K**-0.5).astype(dtype)
-    ct = jax.random.normal(keys[2], (M, N), jnp.float32).astype(dtype)
     dense_rhs = rhs[0]
     gs = jnp.asarray(sizes)
     itemsize = jnp.dtype(dtype).itemsize

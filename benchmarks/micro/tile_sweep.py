@@ -19,7 +19,7 @@ import numpy as np
 
 import jax_moe_permute as jmp
 from jax_moe_permute.bench import copy_ceiling_tbps, device_us
-from jax_moe_permute.bench_gemm import PROBLEMS, fwd_bwd, group_sizes
+from jax_moe_permute.bench_gemm import PROBLEMS, fwd_bwd, problem_inputs
 from jax_moe_permute.grouped_gemm import TILES
 
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
@@ -31,12 +31,8 @@ def main(out_path: str, kinds=KINDS) -> None:
     rows = []
     for name, (G, topk, rows_per_group, K, N) in PROBLEMS.items():
         for kind in kinds:
-            sizes = group_sizes(kind, G, topk, rows_per_group)
+            sizes, lhs, rhs, ct = problem_inputs(name, kind)
             M = int(sizes.sum())
-            k = jax.random.split(jax.random.PRNGKey(0), 3)
-            lhs = jax.random.normal(k[0], (M, K), jnp.float32).astype(jnp.bfloat16)
-            rhs = (jax.random.normal(k[1], (G, K, N), jnp.float32) * K**-0.5).astype(jnp.bfloat16)
-            ct = jax.random.normal(k[2], (M, N), jnp.float32).astype(jnp.bfloat16)
             gs = jnp.asarray(sizes)
             fwd = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
             train = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
