@@ -174,8 +174,14 @@ def shared_mlp(x, w_in, w_out, activation):
 
 
 def router_logits(x, router):
-    """[T, H] @ [H, E] in float32 at full precision (router math is float32 whatever the input)."""
-    return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    """[T, H] @ [H, E] -> float32 logits, for the float32 router math that follows.
+
+    The product runs in x's dtype and accumulates in float32: a bf16 layer gets a bf16 tensor-core
+    GEMM (as Mixtral's and Qwen3's bf16 router Linear), where casting x up to float32 at full
+    precision made routing 5-10% of a DeepSeek-V3 layer. A float32 layer keeps full float32 precision."""
+    full = jnp.dtype(x.dtype) == jnp.float32
+    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+    return jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision)
 
 
 def reference_moe_mlp(x, weights, ids, w_in, w_out, *, activation: str = "swiglu") -> jax.Array:

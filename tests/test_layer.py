@@ -91,6 +91,22 @@ def test_low_precision(dtype):
     assert g.dtype == dtype and bool(jnp.all(jnp.isfinite(g)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_router_logits(dtype):
+    """float32 logits from a product in x's dtype (float32: at full precision), and gradients back
+    in each operand's dtype."""
+    from jax_moe_permute.layer import router_logits
+    x, router = random_float((37, 24), dtype), random_float((24, 5), jnp.float32)
+    logits = jax.jit(router_logits)(x, router)
+    assert logits.dtype == jnp.float32
+    ref = jnp.dot(x.astype(jnp.float32), router.astype(dtype).astype(jnp.float32), precision=HIGHEST)
+    assert_allclose(logits, ref, 1e-5 if dtype == jnp.float32 else 1e-2)
+    gx, gr = jax.jit(jax.grad(lambda a, b: jnp.sum(router_logits(a, b) ** 2), (0, 1)))(x, router)
+    assert (gx.dtype, gr.dtype) == (jnp.dtype(dtype), jnp.dtype(jnp.float32))
+    if dtype == jnp.float32:
+        assert_allclose(gr, 2 * jnp.dot(x.T, ref, precision=HIGHEST), 1e-4)
+
+
 def test_vmap_and_reference_layer():
     """vmap over every argument: a stack of layers (jax.lax.ragged_dot's batching rule needs the
     expert weights batched too; to share weights, flatten the tokens instead)."""
