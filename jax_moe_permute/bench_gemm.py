@@ -15,7 +15,8 @@ experts' weights once at the measured copy bandwidth (the memory bound at small 
 backward rows the time to read the weights twice and write dW once (the weight-gradient bound).
 lax.ragged_dot is timed with fewer iterations when one call takes longer than a second, and not
 at all where XLA's dense expansion (seen on jax 0.11.2: a zero-padded [M, G, K] operand) would
-cost more than LAX_MAX_EXPANDED_FLOPS or LAX_MAX_EXPANDED_BYTES.
+cost more than LAX_MAX_EXPANDED_FLOPS or LAX_MAX_EXPANDED_BYTES (`--no-lax`: not at all).
+Where tokamax is installed, its `ragged_dot` with the default implementation is timed alongside.
 """
 
 from __future__ import annotations
@@ -78,6 +79,18 @@ def problem_inputs(name: str, kind: str, dtype=jnp.bfloat16):
     return sizes, lhs, rhs, ct
 
 
+def tokamax_ragged_dot():
+    """tokamax.ragged_dot (its default implementation) where tokamax is installed, else None."""
+    try:
+        import tokamax
+        from absl import flags
+    except ImportError:
+        return None
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; ours are not absl's to parse
+        flags.FLAGS.mark_as_parsed()
+    return tokamax.ragged_dot
+
+
 def fwd_bwd(fn):
     """(out, d lhs, d rhs) of fn at a cotangent: the three GEMMs of a training step."""
     def run(a, b, ct):
@@ -86,7 +99,8 @@ def fwd_bwd(fn):
     return jax.jit(run)
 
 
-def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, dtype=jnp.bfloat16):
+def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, dtype=jnp.bfloat16,
+                  with_lax: bool = True):
     G, topk, rows_per_group, K, N = {**PROBLEMS, **SMOKE_PROBLEMS}[name]
     sizes, lhs, rhs, ct = problem_inputs(name, kind, dtype)
     M = int(sizes.sum())
@@ -96,11 +110,13 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
     routed = int(np.count_nonzero(sizes))
     weight_bytes = routed * K * N * itemsize
     rows = []
+    tokamax_fn = tokamax_ragged_dot()
     for op in ops:
         if op == "ragged_dot":
             flops = 2 * M * K * N
             ours = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
             ref = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s))
+            tokamax_call = tokamax_fn and jax.jit(lambda a, b, s: tokamax_fn(a, b, s))
             dense = jax.jit(lambda a, b: jnp.dot(a, b))
             args, dense_args = (lhs, rhs, gs), (lhs, dense_rhs)
             bound_bytes = weight_bytes + (M * K + M * N) * itemsize
@@ -108,6 +124,7 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
             flops = 6 * M * K * N
             ours = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
             ref = fwd_bwd(lambda a, b: jax.lax.ragged_dot(a, b, gs))
+            tokamax_call = tokamax_fn and fwd_bwd(lambda a, b: tokamax_fn(a, b, gs))
             dense = fwd_bwd(jnp.dot)
             args, dense_args = (lhs, rhs, ct), (lhs, dense_rhs, ct)
             # weights read by the forward and d lhs, dW written (every group's), activations.
@@ -115,16 +132,25 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
         us = device_us_or_none(ours, *args, iterations=iterations)
         ref_us = None
         expanded_bytes = G * M * K * itemsize
-        if not on_gpu() or (G * flops <= LAX_MAX_EXPANDED_FLOPS and expanded_bytes <= LAX_MAX_EXPANDED_BYTES):
+        if not with_lax:
+            pass
+        elif not on_gpu() or (G * flops <= LAX_MAX_EXPANDED_FLOPS and expanded_bytes <= LAX_MAX_EXPANDED_BYTES):
             ref_us = device_us_or_none(ref, *args, iterations=max(3, iterations // 4))
         else:
             print(f"  (lax.ragged_dot not timed: dense expansion of {G} x {flops:.2g} FLOPs, "
                   f"{expanded_bytes / 1e9:.0f} GB)", flush=True)
+        tokamax_us = None
+        if tokamax_call:
+            try:  # another project's kernels: a shape it rejects is a missing number, not a failed run
+                tokamax_us = device_us_or_none(tokamax_call, *args, iterations=iterations)
+            except Exception as e:  # noqa: BLE001
+                print(f"  (tokamax failed: {type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
         dense_us = device_us_or_none(dense, *dense_args, iterations=iterations)
         tflops = lambda t: None if not t else flops / t / 1e6
         bound_us = bound_bytes / copy_tbps / 1e6
         rows.append(dict(problem=name, groups=kind, op=op, G=G, M=M, K=K, N=N, routed_groups=routed,
-                         us=us, lax_us=ref_us, dense_us=dense_us, TFLOPs=tflops(us), lax_TFLOPs=tflops(ref_us),
+                         us=us, lax_us=ref_us, tokamax_us=tokamax_us, dense_us=dense_us, TFLOPs=tflops(us),
+                         lax_TFLOPs=tflops(ref_us), tokamax_TFLOPs=tflops(tokamax_us),
                          dense_TFLOPs=tflops(dense_us), memory_bound_us=bound_us, copy_TBps=copy_tbps))
         print(format_row(rows[-1]), flush=True)
     return rows
@@ -139,11 +165,11 @@ def format_row(r) -> str:
     return (f"{r['problem']:13} {r['groups']:8} {r['op']:14} {r['M']:>6} {_f(r['us'], '10.1f')} "
             f"{_f(r['TFLOPs'], '7.1f')} {_f(r['lax_TFLOPs'], '7.1f')} {_f(r['dense_TFLOPs'], '7.1f')} "
             f"{_f(ratio(r['TFLOPs'], r['dense_TFLOPs']), '6.2f')} {_f(ratio(r['lax_us'], r['us']), '7.1f')} "
-            f"{_f(ratio(r['us'], r['memory_bound_us']), '6.2f')}")
+            f"{_f(ratio(r['us'], r['memory_bound_us']), '6.2f')} {_f(ratio(r.get('tokamax_us'), r['us']), '7.2f')}")
 
 
 HEADER = (f"{'problem':13} {'groups':8} {'op':14} {'M':>6} {'us':>10} {'TFLOP/s':>7} {'lax':>7} {'dense':>7} "
-          f"{'/dense':>6} {'x lax':>7} {'/bound':>6}")
+          f"{'/dense':>6} {'x lax':>7} {'/bound':>6} {'x tkmx':>7}")
 
 
 def plot(rows, path: str) -> None:
@@ -191,6 +217,7 @@ def main(argv=None) -> int:
                    help="group-size kinds: uniform, skewed, decode<T>")
     p.add_argument("--quick", action="store_true", help="uniform and decode1 only")
     p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--no-lax", action="store_true", help="skip jax.lax.ragged_dot (seconds a call on the large problems)")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     args, _ = p.parse_known_args(argv)
@@ -198,14 +225,15 @@ def main(argv=None) -> int:
     kinds = ["uniform", "decode1"] if args.quick else args.groups.split(",")
     copy_tbps = copy_ceiling_tbps()
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.2f} TB/s; "
-          f"our kernels {'on' if jmp.grouped_gemm.kernels_available() else 'OFF (lax fallback)'}", flush=True)
+          f"our kernels {'on' if jmp.grouped_gemm.kernels_available() else 'OFF (lax fallback)'}; "
+          f"tokamax {'timed' if tokamax_ragged_dot() else 'not installed'}", flush=True)
     if not on_gpu():
         print("(CPU: wall-clock times of the fallback; the goals are for the H200)")
     print(HEADER)
     rows = []
     for name in args.problems.split(","):
         for kind in kinds:
-            rows += bench_problem(name, kind, ops, copy_tbps, args.iterations)
+            rows += bench_problem(name, kind, ops, copy_tbps, args.iterations, with_lax=not args.no_lax)
             save_rows(rows, args.json)
     if args.plot:
         plot(rows, args.plot)

@@ -326,3 +326,19 @@ def test_bench_gemm_smoke(tmp_path):
 
     rows = json.loads(out.read_text())
     assert len(rows) == 4 and all(r["us"] and r["lax_us"] and r["dense_us"] for r in rows)
+
+
+def test_bench_gemm_times_tokamax_where_installed(tmp_path, monkeypatch):
+    """A third implementation (tokamax where installed; a stand-in here) gets its own column, and
+    --no-lax leaves lax.ragged_dot out."""
+    import json
+
+    from jax_moe_permute import bench, bench_gemm
+
+    monkeypatch.setattr(bench_gemm, "tokamax_ragged_dot", lambda: jax.lax.ragged_dot)
+    out = tmp_path / "g.json"
+    assert bench.main(["--ops", "ragged_dot,ragged_dot_bwd", "--problems", "tiny", "--groups", "uniform",
+                       "--iterations", "2", "--no-lax", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all(r["tokamax_us"] > 0 and r["lax_us"] is None for r in rows)
+    assert bench_gemm.format_row(rows[0]).split()[-1] == f"{rows[0]['tokamax_us'] / rows[0]['us']:.2f}"
