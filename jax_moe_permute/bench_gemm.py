@@ -132,11 +132,10 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
         us = device_us_or_none(ours, *args, iterations=iterations)
         ref_us = None
         expanded_bytes = G * M * K * itemsize
-        if not with_lax:
-            pass
-        elif not on_gpu() or (G * flops <= LAX_MAX_EXPANDED_FLOPS and expanded_bytes <= LAX_MAX_EXPANDED_BYTES):
+        lax_fits = not on_gpu() or (G * flops <= LAX_MAX_EXPANDED_FLOPS and expanded_bytes <= LAX_MAX_EXPANDED_BYTES)
+        if with_lax and lax_fits:
             ref_us = device_us_or_none(ref, *args, iterations=max(3, iterations // 4))
-        else:
+        elif with_lax:
             print(f"  (lax.ragged_dot not timed: dense expansion of {G} x {flops:.2g} FLOPs, "
                   f"{expanded_bytes / 1e9:.0f} GB)", flush=True)
         tokamax_us = None
