@@ -6,7 +6,8 @@ dense GEMM of the same FLOPs, all measured in one run.
 Problems: the expert GEMMs of Mixtral, Qwen3 and DeepSeek-V3 (w13: hidden -> 2 x ffn, w2: ffn ->
 hidden) at 4096 tokens, with group sizes uniform (every expert the same rows) and skewed
 (Zipf-like: expert i gets rows proportional to 1 / (i + 1), the last eighth of the experts none);
-and decode: T = 1, 8, 64 tokens routed top-k among the experts at random.
+and decode: T = 1, 8, 64 tokens routed top-k among the experts at random ('routed<T>' routes T
+tokens the same way at any T: the uneven group sizes of real routing at training sizes).
 
 ragged_dot times the forward (FLOPs 2 M K N over the M routed rows); ragged_dot_bwd times the
 forward and both gradients (three GEMMs, 6 M K N). The dense GEMM is an [M, K] x [K, N] jnp.dot
@@ -50,7 +51,7 @@ LAX_MAX_EXPANDED_BYTES = 40e9  # the zero-padded [M, G * K] operand (DeepSeek-V3
 
 def group_sizes(kind: str, G: int, topk: int, rows_per_group: int, seed: int = 0) -> np.ndarray:
     """Rows per expert: 'uniform', 'skewed' (Zipf-like, some experts empty, same total) or
-    'decode<T>' (T tokens routed top-k at random)."""
+    'decode<T>' or 'routed<T>' (T tokens routed top-k at random)."""
     if kind == "uniform":
         return np.full(G, rows_per_group, np.int32)
     if kind == "skewed":
@@ -61,7 +62,7 @@ def group_sizes(kind: str, G: int, topk: int, rows_per_group: int, seed: int = 0
         sizes = np.floor(weights / weights.sum() * total).astype(np.int32)
         sizes[0] += total - sizes.sum()
         return np.random.default_rng(seed).permutation(sizes).astype(np.int32)
-    T = int(kind.removeprefix("decode"))
+    T = int(kind.removeprefix("decode").removeprefix("routed"))
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.choice(G, size=topk, replace=False) for _ in range(T)])
     return np.bincount(ids.ravel(), minlength=G).astype(np.int32)
@@ -177,7 +178,7 @@ def plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in ("uniform", "skewed") if any(r["groups"] == k for r in rows)]
+    kinds = [k for k in dict.fromkeys(r["groups"] for r in rows) if not k.startswith("decode")]
     ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(1, len(ops) + 1, figsize=(6 * (len(ops) + 1), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -188,7 +189,8 @@ def plot(rows, path: str) -> None:
         for i, (label, kind, key) in enumerate(series):
             vals = [next((r[key] or 0 for r in rows if r["problem"] == n and r["groups"] == kind and r["op"] == op), 0)
                     for n in names]
-            ax.bar(x + (i - len(series) / 2 + 0.5) * 0.2, vals, 0.2, label=label)
+            width = 0.8 / len(series)
+            ax.bar(x + (i - len(series) / 2 + 0.5) * width, vals, width, label=label)
         ax.set_xticks(x, [n.replace("_", "\n") for n in names], fontsize=8)
         ax.set(ylabel="TFLOP/s", title=f"{op} (bf16)")
         ax.grid(axis="y", alpha=0.3)
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--problems", default=",".join(PROBLEMS))
     p.add_argument("--groups", default="uniform,skewed," + ",".join(f"decode{t}" for t in DECODE_TOKENS),
-                   help="group-size kinds: uniform, skewed, decode<T>")
+                   help="group-size kinds: uniform, skewed, decode<T>, routed<T>")
     p.add_argument("--quick", action="store_true", help="uniform and decode1 only")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--no-lax", action="store_true", help="skip jax.lax.ragged_dot (seconds a call on the large problems)")

@@ -342,3 +342,15 @@ def test_bench_gemm_times_tokamax_where_installed(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all(r["tokamax_us"] > 0 and r["lax_us"] is None for r in rows)
     assert bench_gemm.format_row(rows[0]).split()[-1] == f"{rows[0]['tokamax_us'] / rows[0]['us']:.2f}"
+
+
+def test_bench_gemm_group_sizes():
+    """The benchmark's group-size kinds: the same total rows uniform and skewed (some experts
+    empty); T tokens routed top-k to distinct experts at any T."""
+    from jax_moe_permute.bench_gemm import group_sizes
+
+    uniform, skewed = group_sizes("uniform", 16, 2, 64), group_sizes("skewed", 16, 2, 64)
+    assert uniform.sum() == skewed.sum() == 16 * 64 and (skewed == 0).sum() == 2
+    for kind, T in (("decode1", 1), ("decode64", 64), ("routed4096", 4096)):
+        sizes = group_sizes(kind, 16, 2, 64)
+        assert sizes.shape == (16,) and sizes.sum() == 2 * T and sizes.max() <= T
