@@ -100,11 +100,18 @@ def fwd_bwd(fn):
     return jax.jit(run)
 
 
+def op_call(ragged_dot, op: str, gs):
+    """One implementation's jitted call for an op: f(lhs, rhs, group sizes) for the forward,
+    f(lhs, rhs, cotangent) for the forward and both gradients."""
+    if op == "ragged_dot":
+        return jax.jit(lambda a, b, s: ragged_dot(a, b, s))
+    return fwd_bwd(lambda a, b: ragged_dot(a, b, gs))
+
+
 def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, dtype=jnp.bfloat16,
                   with_lax: bool = True):
-    G, topk, rows_per_group, K, N = {**PROBLEMS, **SMOKE_PROBLEMS}[name]
     sizes, lhs, rhs, ct = problem_inputs(name, kind, dtype)
-    M = int(sizes.sum())
+    (M, K), (G, _, N) = lhs.shape, rhs.shape
     dense_rhs = rhs[0]
     gs = jnp.asarray(sizes)
     itemsize = jnp.dtype(dtype).itemsize
@@ -113,19 +120,15 @@ def bench_problem(name: str, kind: str, ops, copy_tbps: float, iterations: int, 
     rows = []
     tokamax_fn = tokamax_ragged_dot()
     for op in ops:
+        ours, ref = op_call(jmp.ragged_dot, op, gs), op_call(jax.lax.ragged_dot, op, gs)
+        tokamax_call = tokamax_fn and op_call(tokamax_fn, op, gs)
         if op == "ragged_dot":
             flops = 2 * M * K * N
-            ours = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
-            ref = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s))
-            tokamax_call = tokamax_fn and jax.jit(lambda a, b, s: tokamax_fn(a, b, s))
             dense = jax.jit(lambda a, b: jnp.dot(a, b))
             args, dense_args = (lhs, rhs, gs), (lhs, dense_rhs)
             bound_bytes = weight_bytes + (M * K + M * N) * itemsize
         else:
             flops = 6 * M * K * N
-            ours = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
-            ref = fwd_bwd(lambda a, b: jax.lax.ragged_dot(a, b, gs))
-            tokamax_call = tokamax_fn and fwd_bwd(lambda a, b: tokamax_fn(a, b, gs))
             dense = fwd_bwd(jnp.dot)
             args, dense_args = (lhs, rhs, ct), (lhs, dense_rhs, ct)
             # weights read by the forward and d lhs, dW written (every group's), activations.
