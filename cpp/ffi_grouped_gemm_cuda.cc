@@ -29,18 +29,21 @@ std::optional<Dtype> gemm_dtype(ffi::DataType t) {
   return std::nullopt;
 }
 
-constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}};
+constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}, {Tile::k128x128, "128x128"}};
 
-// The tile of one call. The weight gradient's output rows are the weights' K: always large.
-// MOE_GROUPED_GEMM_TILE (e.g. "64x256") forces a tile of the row-grouped GEMMs, to measure them;
-// nullopt if it names none.
+// The tile of one call. MOE_GROUPED_GEMM_TILE (e.g. "64x256") forces a tile of the row-grouped
+// GEMMs, MOE_GROUPED_GEMM_DW_TILE one of the weight gradient, to measure them; nullopt if the
+// variable names none.
 std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
-  if (layout == Layout::kWeightGrad) return Tile::k128x256;
-  if (const char* forced = std::getenv("MOE_GROUPED_GEMM_TILE")) {
+  if (const char* forced = std::getenv(layout == Layout::kWeightGrad ? "MOE_GROUPED_GEMM_DW_TILE" : "MOE_GROUPED_GEMM_TILE")) {
     for (auto [tile, name] : kTileNames)
       if (std::string(forced) == name) return tile;
     return std::nullopt;
   }
+  // Measured on the H200 (docs/grouped-gemm.md). The weight gradient's output rows are the
+  // weights' K, always large; its mainloop runs over a group's rows: ping-pong 128 x 128 wins
+  // from about 1024 rows per group, the cooperative 128 x 256 below.
+  if (layout == Layout::kWeightGrad) return a.rows >= 1024 * a.groups ? Tile::k128x128 : Tile::k128x256;
   // Measured on the H200 (docs/grouped-gemm.md): 64-row tiles win while the average group fits
   // one (decode), 128-row tiles from 128 rows per group up (training and prefill).
   return a.rows <= 64 * a.groups ? Tile::k64x256 : Tile::k128x256;
@@ -51,6 +54,7 @@ cudaError_t dispatch_tile(Tile tile, const GroupedGemmArgs& a, cudaStream_t stre
   switch (tile) {
     case Tile::k128x256: return grouped_gemm<D, L, Tile::k128x256>(a, stream);
     case Tile::k64x256: return grouped_gemm<D, L, Tile::k64x256>(a, stream);
+    case Tile::k128x128: return grouped_gemm<D, L, Tile::k128x128>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -60,7 +64,7 @@ cudaError_t dispatch_layout(Layout layout, Tile tile, const GroupedGemmArgs& a, 
   switch (layout) {
     case Layout::kForward: return dispatch_tile<D, Layout::kForward>(tile, a, stream);
     case Layout::kTransposedRhs: return dispatch_tile<D, Layout::kTransposedRhs>(tile, a, stream);
-    case Layout::kWeightGrad: return grouped_gemm<D, Layout::kWeightGrad, Tile::k128x256>(a, stream);
+    case Layout::kWeightGrad: return dispatch_tile<D, Layout::kWeightGrad>(tile, a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -89,7 +93,7 @@ ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmAr
   if (a.workspace_bytes < ragged_dot_workspace_bytes(int64_t(layout), int64_t(dtype), a.batch * a.groups, a.batch))
     return invalid("ragged_dot: workspace too small");
   const std::optional<Tile> tile = choose_tile(layout, a);
-  if (!tile) return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE names no tile (128x256 or 64x256)");
+  if (!tile) return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE or MOE_GROUPED_GEMM_DW_TILE names no tile (128x256, 64x256 or 128x128)");
   cudaError_t err = dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, *tile, a, stream)
                                           : dispatch_layout<Dtype::kF16>(layout, *tile, a, stream);
   if (err != cudaSuccess)
@@ -150,13 +154,14 @@ int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t proble
     constexpr Dtype D = decltype(d)::value;
     auto most = [&](auto l) {
       constexpr Layout L = decltype(l)::value;
-      return std::max(grouped_gemm_workspace_bytes<D, L, Tile::k128x256>(problems, batch),
-                      grouped_gemm_workspace_bytes<D, L, Tile::k64x256>(problems, batch));
+      return std::max({grouped_gemm_workspace_bytes<D, L, Tile::k128x256>(problems, batch),
+                       grouped_gemm_workspace_bytes<D, L, Tile::k64x256>(problems, batch),
+                       grouped_gemm_workspace_bytes<D, L, Tile::k128x128>(problems, batch)});
     };
     switch (Layout(layout)) {
       case Layout::kForward: return most(std::integral_constant<Layout, Layout::kForward>{});
       case Layout::kTransposedRhs: return most(std::integral_constant<Layout, Layout::kTransposedRhs>{});
-      case Layout::kWeightGrad: return grouped_gemm_workspace_bytes<D, Layout::kWeightGrad, Tile::k128x256>(problems, batch);
+      case Layout::kWeightGrad: return most(std::integral_constant<Layout, Layout::kWeightGrad>{});
     }
     return -1;
   };

@@ -25,6 +25,9 @@ enum class Tile : int {
   // Ping-pong: each consumer warpgroup owns a tile, so one's epilogue overlaps the other's
   // mainloop. Decode: a few rows per group waste half as much of a 64-row tile.
   k64x256 = 1,
+  // Ping-pong with a 128-row tile: the weight gradient's short mainloop (K = rows of a group)
+  // leaves the epilogue's stores as long as the MMAs; ping-pong overlaps the two.
+  k128x128 = 2,
 };
 
 // One launch covers batch * groups problems. Offsets are in elements; a batch stride of 0

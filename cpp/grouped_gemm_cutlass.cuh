@@ -256,6 +256,13 @@ struct TileConfig<D, L, Tile::k64x256> {
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 };
 
+template <Dtype D, Layout L>
+struct TileConfig<D, L, Tile::k128x128> {
+  using type = GroupedGemmConfig<D, L, cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+};
+
 // Defines the two entry points of one instantiation (use once per translation unit; CMake
 // generates one unit per instantiation so that they compile in parallel).
 #define MOE_GROUPED_GEMM_INSTANCE(DTYPE, LAYOUT, TILE)                                                \

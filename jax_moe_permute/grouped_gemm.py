@@ -16,9 +16,10 @@ from .gemm_primitives import kernels_available, ragged_dot_bind
 __all__ = ["ragged_dot", "kernels_available", "TILES"]
 
 # The kernels' tiles (output rows x columns per CTA, cpp/grouped_gemm.h), chosen per call by the
-# problem's shape. The environment variable MOE_GROUPED_GEMM_TILE, read at every call, forces one
-# of them on the forward and d lhs GEMMs (to measure or test it); any other value is an error.
-TILES = ("128x256", "64x256")
+# problem's shape. The environment variables MOE_GROUPED_GEMM_TILE and MOE_GROUPED_GEMM_DW_TILE,
+# read at every call, force one of them on the forward and d lhs GEMMs, and on the weight
+# gradient (to measure or test it); any other value is an error.
+TILES = ("128x256", "64x256", "128x128")
 
 _PRIMITIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -4,7 +4,7 @@
 
 (every tile of grouped_gemm.TILES unless some are named: racecheck is slow on these kernels)
 
-Forward, d lhs and dW kernels (bf16 and f16, every tile of the forward and d lhs) with empty groups, rows past the sum, a single
+Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
 result against jax.lax.ragged_dot in float32 so an uninitialised read also shows as a mismatch."""
 
@@ -35,7 +35,8 @@ def check(out, ref, dtype):
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
     for tile in sys.argv[1:] or TILES:
-        os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call
+        for variable in ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE"):
+            os.environ[variable] = tile  # read by the kernels at every call
         run_cases(jax.random.PRNGKey(0))
     print("SANITIZE GEMM CASES DONE")
 

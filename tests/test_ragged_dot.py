@@ -283,19 +283,26 @@ def test_kernels_larger(dtype, G, M, K, N):
 @needs_gpu
 @pytest.mark.parametrize("tile", TILES)
 def test_kernels_every_tile(tile, monkeypatch):
-    """Each tile, forced (MOE_GROUPED_GEMM_TILE is read at every call), forward and d lhs."""
+    """Each tile, forced (MOE_GROUPED_GEMM_TILE and MOE_GROUPED_GEMM_DW_TILE are read at every
+    call), on the forward and d lhs, and on the weight gradient (empty groups included)."""
     G, M, K, N = 24, 700, 200, 328
     lhs, rhs, cot = (random_float(s, jnp.bfloat16) for s in ((M, K), (G, K, N), (M, N)))
-    sizes = random_sizes(G, M - 9)
-    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", tile)
-    out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)
+    sizes = random_sizes(G, M - 9).at[3].set(0)
     f32 = lambda x: x.astype(jnp.float32)
     ref, ref_vjp = jax.vjp(lambda a, b: ref_ragged_dot(a, b, sizes), f32(lhs), f32(rhs))
-    assert_matches(out, ref, jnp.bfloat16)
-    assert_matches(vjp(cot)[0], ref_vjp(f32(cot))[0], jnp.bfloat16)
-    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "32x32")
-    with pytest.raises(Exception, match="MOE_GROUPED_GEMM_TILE"):
-        jax.block_until_ready(jmp.ragged_dot(lhs, rhs, sizes))
+    r_lhs, r_rhs = ref_vjp(f32(cot))
+    for variable in ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE"):
+        monkeypatch.setenv(variable, tile)
+        out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)
+        d_lhs, d_rhs = vjp(cot)
+        assert_matches(out, ref, jnp.bfloat16)
+        assert_matches(d_lhs, r_lhs, jnp.bfloat16)
+        assert_matches(d_rhs, r_rhs, jnp.bfloat16)
+        assert np.all(np.asarray(d_rhs[3], np.float32) == 0)
+        monkeypatch.setenv(variable, "32x32")
+        with pytest.raises(Exception, match=variable):
+            jax.block_until_ready(jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)[1](cot))
+        monkeypatch.delenv(variable)
 
 
 @needs_gpu

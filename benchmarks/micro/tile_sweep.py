@@ -1,13 +1,15 @@
 """Time each grouped-GEMM tile on the benchmark's problems, forcing it with MOE_GROUPED_GEMM_TILE
-(read by the kernels at every call), to choose the tile rule in cpp/ffi_grouped_gemm_cuda.cc:
+(forward and d lhs) or MOE_GROUPED_GEMM_DW_TILE (dW), both read by the kernels at every call, to
+choose the tile rules in cpp/ffi_grouped_gemm_cuda.cc:
 
-    python benchmarks/micro/tile_sweep.py OUT.json [KINDS]      (KINDS: comma-separated, default below)
+    python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw]   (KINDS: comma-separated, default below)
 
-Forward and forward+backward (d lhs uses the same tile; dW always the large one) per tile, the
-same-run dense GEMM, and for decode the time over the weight-read bound at the copy bandwidth.
-Each tile's output is compared with the first tile's (max_diff). Needs an sm_90 GPU.
-benchmarks/results/ragged_dot-tiles-h200.json holds a run with three more tiles, since removed
-(128x128 cooperative, 64x128 and 64x64 ping-pong); docs/design-notes.md has the numbers."""
+rows (the default): forward and forward+backward per tile (d lhs on the same tile, dW on its own
+rule), the same-run dense GEMM, and for decode the time over the weight-read bound at the copy
+bandwidth. dw: the weight gradient alone per tile. Each tile's output is compared with the first
+tile's (max_diff). Needs an sm_90 GPU. benchmarks/results/ragged_dot-tiles-h200.json holds a run
+with three more tiles, since removed (128x128 cooperative, 64x128 and 64x64 ping-pong);
+docs/design-notes.md has the numbers."""
 
 import json
 import os
@@ -25,8 +27,9 @@ from jax_moe_permute.grouped_gemm import TILES
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
 
 
-def main(out_path: str, kinds=KINDS) -> None:
+def main(out_path: str, kinds=KINDS, target: str = "rows") -> None:
     assert jmp.grouped_gemm.kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
+    variable = {"rows": "MOE_GROUPED_GEMM_TILE", "dw": "MOE_GROUPED_GEMM_DW_TILE"}[target]
     copy = copy_ceiling_tbps()
     rows = []
     for name, (G, topk, rows_per_group, K, N) in PROBLEMS.items():
@@ -34,27 +37,33 @@ def main(out_path: str, kinds=KINDS) -> None:
             sizes, lhs, rhs, ct = problem_inputs(name, kind)
             M = int(sizes.sum())
             gs = jnp.asarray(sizes)
+            flops = 2 * M * K * N
             fwd = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
             train = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
-            dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10)
+            d_rhs = jax.jit(lambda a, b, c: jax.vjp(lambda b: jmp.ragged_dot(a, b, gs), b)[1](c)[0])
+            call, args = (fwd, (lhs, rhs, gs)) if target == "rows" else (d_rhs, (lhs, rhs, ct))
+            dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10) if target == "rows" else None
             bound_us = (np.count_nonzero(sizes) * K * N + M * K + M * N) * 2 / copy / 1e6
             first = None
             for tile in TILES:
-                os.environ["MOE_GROUPED_GEMM_TILE"] = tile
-                y = np.asarray(fwd(lhs, rhs, gs), np.float32)
+                os.environ[variable] = tile
+                y = np.asarray(call(*args), np.float32)
                 first = y if first is None else first
-                us = device_us(fwd, lhs, rhs, gs, iterations=10)
-                train_us = None if kind.startswith("decode") else device_us(train, lhs, rhs, ct, iterations=5)
-                flops = 2 * M * K * N
-                rows.append(dict(problem=name, kind=kind, tile=tile, M=M, us=us, fb_us=train_us, dense_us=dense_us,
-                                 tflops=flops / us / 1e6, fb_tflops=3 * flops / train_us / 1e6 if train_us else None,
-                                 dense_tflops=flops / dense_us / 1e6, bound_ratio=us / bound_us,
-                                 max_diff=float(np.abs(y - first).max(initial=0.0))))
-                print(rows[-1], flush=True)
-            del os.environ["MOE_GROUPED_GEMM_TILE"]
+                us = device_us(call, *args, iterations=10)
+                row = dict(problem=name, kind=kind, target=target, tile=tile, M=M, us=us, tflops=flops / us / 1e6,
+                           max_diff=float(np.abs(y - first).max(initial=0.0)))
+                if target == "rows":
+                    train_us = None if kind.startswith("decode") else device_us(train, lhs, rhs, ct, iterations=5)
+                    row.update(fb_us=train_us, fb_tflops=3 * flops / train_us / 1e6 if train_us else None,
+                               dense_us=dense_us, dense_tflops=flops / dense_us / 1e6, bound_ratio=us / bound_us)
+                rows.append(row)
+                print(row, flush=True)
+                del y
+            del os.environ[variable]
             with open(out_path, "w") as f:
                 json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else KINDS)
+    main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else KINDS,
+         sys.argv[3] if len(sys.argv) > 3 else "rows")
