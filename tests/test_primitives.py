@@ -3,7 +3,6 @@ kernels compute, batched operands and broadcast (extent-1) operands included."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_moe_permute import lowering, primitives as P
 from conftest import assert_bits_equal, assert_close, random_expert_map, random_float, random_ids
