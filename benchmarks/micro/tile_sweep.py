@@ -21,7 +21,7 @@ import numpy as np
 
 import jax_moe_permute as jmp
 from jax_moe_permute.bench import copy_ceiling_tbps, device_us
-from jax_moe_permute.bench_gemm import PROBLEMS, fwd_bwd, problem_inputs
+from jax_moe_permute.bench_gemm import PROBLEMS, op_call, problem_inputs
 from jax_moe_permute.grouped_gemm import TILES
 
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
@@ -38,8 +38,7 @@ def main(out_path: str, kinds=KINDS, target: str = "rows") -> None:
             M = int(sizes.sum())
             gs = jnp.asarray(sizes)
             flops = 2 * M * K * N
-            fwd = jax.jit(lambda a, b, s: jmp.ragged_dot(a, b, s))
-            train = fwd_bwd(lambda a, b: jmp.ragged_dot(a, b, gs))
+            fwd, train = op_call(jmp.ragged_dot, "ragged_dot", gs), op_call(jmp.ragged_dot, "ragged_dot_bwd", gs)
             d_rhs = jax.jit(lambda a, b, c: jax.vjp(lambda b: jmp.ragged_dot(a, b, gs), b)[1](c)[0])
             call, args = (fwd, (lhs, rhs, gs)) if target == "rows" else (d_rhs, (lhs, rhs, ct))
             dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10) if target == "rows" else None
