@@ -9,9 +9,12 @@
 extern "C" {
 XLA_FFI_Error* MoeRaggedDotCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotWeightGradCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeRaggedDotDecodeCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace moe::gemm {
 // Workspace bytes of one call: layout and dtype as in grouped_gemm.h, problems = batch * groups.
 int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t problems, int64_t batch);
+// Workspace bytes of the decode kernel's call (its split partial sums; 0 when unsplit).
+int64_t ragged_dot_decode_workspace_bytes(int64_t batch, int64_t groups, int64_t rows, int64_t k, int64_t n);
 }  // namespace moe::gemm

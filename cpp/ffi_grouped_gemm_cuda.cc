@@ -33,9 +33,13 @@ constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256
 
 // The tile of one call. MOE_GROUPED_GEMM_TILE (e.g. "64x256") forces a tile of the row-grouped
 // GEMMs, MOE_GROUPED_GEMM_DW_TILE one of the weight gradient, to measure them; nullopt if the
-// variable names none.
+// variable names none. MOE_GROUPED_GEMM_TILE=decode is read when a call is lowered (it picks the
+// decode target, gemm_primitives.py): here, where the decode kernel does not apply, it means the
+// rule below.
 std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
-  if (const char* forced = std::getenv(layout == Layout::kWeightGrad ? "MOE_GROUPED_GEMM_DW_TILE" : "MOE_GROUPED_GEMM_TILE")) {
+  const char* variable = layout == Layout::kWeightGrad ? "MOE_GROUPED_GEMM_DW_TILE" : "MOE_GROUPED_GEMM_TILE";
+  if (const char* forced = std::getenv(variable); forced != nullptr && (layout == Layout::kWeightGrad ||
+                                                                        std::string(forced) != "decode")) {
     for (auto [tile, name] : kTileNames)
       if (std::string(forced) == name) return tile;
     return std::nullopt;
@@ -75,8 +79,9 @@ std::optional<int64_t> batch_stride(int64_t extent, int64_t batch, int64_t per_e
   return extent == 1 ? 0 : per_example;
 }
 
-ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmArgs& a, ffi::AnyBuffer& lhs,
-                  ffi::AnyBuffer& rhs, I32Buffer& sizes, int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {
+// The operand pointers, batch strides and workspace of `a` (whose shape fields are set).
+ffi::Error bind_operands(GroupedGemmArgs& a, ffi::AnyBuffer& lhs, ffi::AnyBuffer& rhs, I32Buffer& sizes,
+                         int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {
   auto ls = batch_stride(lhs.dimensions()[0], a.batch, lhs_per);
   auto rs = batch_stride(rhs.dimensions()[0], a.batch, rhs_per);
   auto ss = batch_stride(sizes.dimensions()[0], a.batch, a.groups);
@@ -90,38 +95,69 @@ ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmAr
   a.group_sizes = sizes.typed_data();
   a.workspace = workspace.untyped_data();
   a.workspace_bytes = int64_t(workspace.size_bytes());
-  if (a.workspace_bytes < ragged_dot_workspace_bytes(int64_t(layout), int64_t(dtype), a.batch * a.groups, a.batch))
-    return invalid("ragged_dot: workspace too small");
-  const std::optional<Tile> tile = choose_tile(layout, a);
-  if (!tile) return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE or MOE_GROUPED_GEMM_DW_TILE names no tile (128x256, 64x256 or 128x128)");
-  cudaError_t err = dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, *tile, a, stream)
-                                          : dispatch_layout<Dtype::kF16>(layout, *tile, a, stream);
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
-// out[b] [M, N] = ragged rows of lhs[b] [M, K] times rhs[b, g] ([K, N], or [N, K] when rhs_transposed).
-ffi::Error RaggedDot(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
-                     int64_t rhs_transposed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out->dimensions();
+ffi::Error gemm_error(cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot: ") + cudaGetErrorString(err));
+}
+
+ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmArgs& a, ffi::AnyBuffer& lhs,
+                  ffi::AnyBuffer& rhs, I32Buffer& sizes, int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {
+  if (auto err = bind_operands(a, lhs, rhs, sizes, lhs_per, rhs_per, workspace); !err.success()) return err;
+  if (a.workspace_bytes < ragged_dot_workspace_bytes(int64_t(layout), int64_t(dtype), a.batch * a.groups, a.batch))
+    return invalid("ragged_dot: workspace too small");
+  const std::optional<Tile> tile = choose_tile(layout, a);
+  if (!tile)
+    return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE or MOE_GROUPED_GEMM_DW_TILE names no tile (128x256, 64x256, "
+                   "128x128, or decode for MOE_GROUPED_GEMM_TILE)");
+  return gemm_error(dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, *tile, a, stream)
+                                          : dispatch_layout<Dtype::kF16>(layout, *tile, a, stream));
+}
+
+// The shapes of out[b] [M, N] = ragged rows of lhs[b] [M, K] times rhs[b, g] ([K, N], or [N, K]
+// when rhs_transposed), checked.
+ffi::Error row_grouped_args(ffi::AnyBuffer& lhs, ffi::AnyBuffer& rhs, I32Buffer& sizes, bool rhs_transposed,
+                            ffi::AnyBuffer& out, GroupedGemmArgs* a, Dtype* dtype) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out.dimensions();
   if (ld.size() != 3 || rd.size() != 4 || sd.size() != 2 || od.size() != 3)
     return invalid("ragged_dot: expected lhs [B, M, K], rhs [B, G, K, N], group_sizes [B, G], out [B, M, N]");
-  auto dtype = gemm_dtype(lhs.element_type());
-  if (!dtype || rhs.element_type() != lhs.element_type() || out->element_type() != lhs.element_type())
+  auto d = gemm_dtype(lhs.element_type());
+  if (!d || rhs.element_type() != lhs.element_type() || out.element_type() != lhs.element_type())
     return invalid("ragged_dot: lhs, rhs and out must all be bfloat16 or all float16");
-  GroupedGemmArgs a;
-  a.batch = od[0];
-  a.rows = od[1];
-  a.n = od[2];
-  a.k = ld[2];
-  a.groups = rd[1];
+  *dtype = *d;
+  a->batch = od[0];
+  a->rows = od[1];
+  a->n = od[2];
+  a->k = ld[2];
+  a->groups = rd[1];
   const int64_t rk = rhs_transposed ? rd[3] : rd[2], rn = rhs_transposed ? rd[2] : rd[3];
-  if (ld[1] != a.rows || rk != a.k || rn != a.n || sd[1] != a.groups)
+  if (ld[1] != a->rows || rk != a->k || rn != a->n || sd[1] != a->groups)
     return invalid("ragged_dot: operand shapes do not agree");
-  a.out = out->untyped_data();
-  return launch(stream, *dtype, rhs_transposed ? Layout::kTransposedRhs : Layout::kForward, a, lhs, rhs, sizes,
+  a->out = out.untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error RaggedDot(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                     int64_t rhs_transposed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  GroupedGemmArgs a;
+  Dtype dtype;
+  if (auto err = row_grouped_args(lhs, rhs, sizes, rhs_transposed, *out, &a, &dtype); !err.success()) return err;
+  return launch(stream, dtype, rhs_transposed ? Layout::kTransposedRhs : Layout::kForward, a, lhs, rhs, sizes,
                 a.rows * a.k, a.groups * a.k * a.n, *workspace);
+}
+
+// The forward GEMM on the decode kernel (grouped_gemm_decode.cu), chosen at lowering.
+ffi::Error RaggedDotDecode(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  GroupedGemmArgs a;
+  Dtype dtype;
+  if (auto err = row_grouped_args(lhs, rhs, sizes, false, *out, &a, &dtype); !err.success()) return err;
+  if (auto err = bind_operands(a, lhs, rhs, sizes, a.rows * a.k, a.groups * a.k * a.n, *workspace); !err.success())
+    return err;
+  if (!decode_gemm_fits(a)) return invalid("ragged_dot: more than 65535 groups or batch elements for the decode kernel");
+  return gemm_error(decode_grouped_gemm(dtype, a, stream));
 }
 
 // out[b, g] [K, N] = lhs[b] rows of g ([rows, K]) transposed times rhs[b] rows of g ([rows, N]).
@@ -169,10 +205,21 @@ int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t proble
   return of(std::integral_constant<Dtype, Dtype::kF16>{});
 }
 
+int64_t ragged_dot_decode_workspace_bytes(int64_t batch, int64_t groups, int64_t rows, int64_t k, int64_t n) {
+  GroupedGemmArgs a;
+  a.batch = batch;
+  a.groups = groups;
+  a.rows = rows;
+  a.k = k;
+  a.n = n;
+  return decode_workspace_bytes(a);
+}
+
 }  // namespace moe::gemm
 
-// Not marked kCmdBufferCompatible: CUTLASS's initialize() builds kernel parameters on the host
-// at each call, which a replayed command buffer would skip.
+// Not marked kCmdBufferCompatible: on the H200 (jax 0.11.2), XLA's update of a command buffer
+// holding CUTLASS's launch on new buffer addresses failed (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE in
+// cuGraphExecChildGraphNodeSetParams), so XLA runs these handlers outside its CUDA graphs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotCuda, moe::gemm::RaggedDot,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
@@ -190,3 +237,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotWeightGradCuda, moe::gemm::RaggedDotWe
                                   .Arg<moe::gemm::I32Buffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>());
+// Graph-safe: two kernels whose grids and parameters depend on the call's shapes and buffers only
+// (the groups are found on the device), no host copy, no allocation, no synchronization.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotDecodeCuda, moe::gemm::RaggedDotDecode,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<moe::gemm::I32Buffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

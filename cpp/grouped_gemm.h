@@ -60,6 +60,15 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 cudaError_t zero_uncovered(const GroupedGemmArgs& args, Layout layout, int64_t element_bytes,
                            const int32_t* group_rows, const int64_t* row_ends, cudaStream_t stream);
 
+// The decode kernel of the forward layout (grouped_gemm_decode.cu): CUDA cores streaming each
+// routed matrix once, split along its rows into decode_splits(args) parts whose float32 partial
+// sums (decode_workspace_bytes, 0 when unsplit) a second kernel adds. decode_gemm_fits: whether
+// its grid covers the call (at most 65535 slots and batch elements).
+bool decode_gemm_fits(const GroupedGemmArgs& args);
+int decode_splits(const GroupedGemmArgs& args);
+int64_t decode_workspace_bytes(const GroupedGemmArgs& args);
+cudaError_t decode_grouped_gemm(Dtype dtype, const GroupedGemmArgs& args, cudaStream_t stream);
+
 // Number of multiprocessors of the current device, queried once per device.
 int sm_count();
 

@@ -24,6 +24,7 @@ stride 0), as the permute primitives do: a vmapped call is one launch of B * G p
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import jax
@@ -133,11 +134,38 @@ def _ffi_call(ctx, target, layout, args, **attributes):
     return jax.ffi.ffi_lowering(_native.target(target))(ctx, *args, **attributes)[:-1]
 
 
+# The forward GEMM runs on the decode kernel (CUDA cores streaming each routed matrix, split along
+# its rows; graph-safe) while groups average at most this many rows, on CUTLASS's tiles above
+# (measured on the H200: BENCHMARKS.md, "Decode").
+DECODE_ROWS_PER_GROUP = 2
+_MAX_GRID_Y = 65535
+
+
+def _use_decode_kernel(batch: int, rows: int, groups: int) -> bool:
+    """Static choice of the forward GEMM's kernel; MOE_GROUPED_GEMM_TILE, read when the call is
+    lowered, forces it ("decode") or a CUTLASS tile (any other value)."""
+    if min(groups, rows) + 1 > _MAX_GRID_Y or batch > _MAX_GRID_Y:
+        return False
+    forced = os.environ.get("MOE_GROUPED_GEMM_TILE")
+    if forced is not None:
+        return forced == "decode"
+    return rows <= DECODE_ROWS_PER_GROUP * groups
+
+
+def _lower_ragged_dot_decode(ctx, lhs, rhs, group_sizes):
+    (batch, rows, n), k, groups = ctx.avals_out[0].shape, ctx.avals_in[0].shape[2], ctx.avals_in[2].shape[1]
+    nbytes = _native.workspace_bytes("cuda", "ragged_dot_decode", batch, groups, rows, k, n)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
+    return jax.ffi.ffi_lowering(_native.target("ragged_dot_decode"))(ctx, lhs, rhs, group_sizes)[:-1]
+
+
 def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
     out = ctx.avals_out[0]
     if not _kernel_fits(ctx.avals_in, out, ctx.avals_in[0].shape[2], out.shape[2]):
         return _lower_ref_ragged_dot(ctx, lhs, rhs, group_sizes, rhs_transposed=rhs_transposed,
                                      out_dtype=out_dtype, precision=precision)
+    if not rhs_transposed and _use_decode_kernel(out.shape[0], out.shape[1], ctx.avals_in[2].shape[1]):
+        return _lower_ragged_dot_decode(ctx, lhs, rhs, group_sizes)
     layout = _LAYOUT_TRANSPOSED_RHS if rhs_transposed else _LAYOUT_FORWARD
     return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))
 

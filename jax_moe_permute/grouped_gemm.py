@@ -13,13 +13,18 @@ import jax.numpy as jnp
 from . import _compat
 from .gemm_primitives import kernels_available, ragged_dot_bind
 
-__all__ = ["ragged_dot", "kernels_available", "TILES"]
+__all__ = ["ragged_dot", "kernels_available", "TILES", "DECODE_TILE"]
 
 # The kernels' tiles (output rows x columns per CTA, cpp/grouped_gemm.h), chosen per call by the
 # problem's shape. The environment variables MOE_GROUPED_GEMM_TILE and MOE_GROUPED_GEMM_DW_TILE,
 # read at every call, force one of them on the forward and d lhs GEMMs, and on the weight
 # gradient (to measure or test it); any other value is an error.
 TILES = ("128x256", "64x256", "128x128")
+# The forward GEMM's decode kernel (CUDA cores streaming the weights, graph-safe; chosen while
+# groups average at most gemm_primitives.DECODE_ROWS_PER_GROUP rows): MOE_GROUPED_GEMM_TILE=decode
+# forces it on the forward GEMM, a CUTLASS tile name forces CUTLASS there; unlike the tiles this is
+# read when a call is lowered (a jitted function keeps the choice it was compiled with).
+DECODE_TILE = "decode"
 
 _PRIMITIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

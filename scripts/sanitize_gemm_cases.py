@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
-(every tile of grouped_gemm.TILES unless some are named: racecheck is slow on these kernels)
+(every tile of grouped_gemm.TILES and the decode kernel unless some are named: racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.grouped_gemm import TILES, kernels_available
+from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES, kernels_available
 
 CASES = [  # (M, K, N, group sizes)
     (100, 64, 72, [30, 0, 50, 0]),  # empty groups, 20 rows past the sum
@@ -34,9 +34,10 @@ def check(out, ref, dtype):
 
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
-    for tile in sys.argv[1:] or TILES:
-        for variable in ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE"):
-            os.environ[variable] = tile  # read by the kernels at every call
+    for tile in sys.argv[1:] or TILES + (DECODE_TILE,):
+        os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call
+        if tile != DECODE_TILE:  # the decode kernel is the forward's only; dW keeps its rule
+            os.environ["MOE_GROUPED_GEMM_DW_TILE"] = tile
         run_cases(jax.random.PRNGKey(0))
     print("SANITIZE GEMM CASES DONE")
 

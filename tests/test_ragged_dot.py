@@ -17,7 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_moe_permute as jmp
-from jax_moe_permute.grouped_gemm import TILES, kernels_available
+from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES, kernels_available
 
 from conftest import fresh_key, needs_gpu, on_gpu, random_float
 
@@ -303,6 +303,74 @@ def test_kernels_every_tile(tile, monkeypatch):
         with pytest.raises(Exception, match=variable):
             jax.block_until_ready(jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)[1](cot))
         monkeypatch.delenv(variable)
+
+
+# (G, M, K, N, sizes): one row per group, several passes of 8 rows with every remainder (1, 2,
+# 3-4, 5-8 rows), K over one staged chunk and not a multiple of the 32 rows a block step reads,
+# partial column strips, rows past the sum, all groups empty, more than 256 groups (the slot scan
+# runs in chunks), a single group holding every row.
+DECODE_CASES = [
+    (16, 8, 256, 192, [1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]),
+    (5, 120, 520, 72, [33, 0, 17, 26, 44]),
+    (3, 30, 1096, 40, [9, 12, 2]),
+    (4, 50, 64, 136, [3, 0, 5, 0]),
+    (6, 12, 40, 8, [0, 0, 0, 0, 0, 0]),
+    (300, 40, 32, 24, None),
+    (1, 64, 2048, 256, [64]),
+]
+
+
+def fwd_and_grads(sizes):
+    """A freshly traced jitted (out, d lhs, d rhs) of ragged_dot: MOE_GROUPED_GEMM_TILE=decode is
+    read when a call is lowered."""
+    def run(a, b, ct):
+        out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), a, b)
+        return (out, *vjp(ct))
+    return jax.jit(run)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("G,M,K,N,sizes", DECODE_CASES)
+def test_decode_kernel(dtype, G, M, K, N, sizes, monkeypatch):
+    """The forward GEMM's decode kernel, forced, against the float32 reference; d lhs and d rhs
+    of the same call keep their own kernels."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", DECODE_TILE)
+    lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
+    sizes = random_sizes(G, M) if sizes is None else jnp.asarray(sizes, jnp.int32)
+    call = fwd_and_grads(sizes)
+    assert "@jax_moe_permute.ragged_dot_decode(" in call.lower(lhs, rhs, cot).as_text()
+    out, d_lhs, d_rhs = call(lhs, rhs, cot)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref, ref_vjp = jax.vjp(lambda a, b: ref_ragged_dot(a, b, sizes), f32(lhs), f32(rhs))
+    r_lhs, r_rhs = ref_vjp(f32(cot))
+    assert_matches(out, ref, dtype)
+    assert_matches(d_lhs, r_lhs, dtype)
+    assert_matches(d_rhs, r_rhs, dtype)
+    assert np.all(np.asarray(out[int(sizes.sum()):], np.float32) == 0)
+
+
+@needs_gpu
+def test_decode_kernel_vmap_and_default_choice(monkeypatch):
+    """A vmapped decode call (batched sizes, shared rhs: batch strides 0) chosen by the default
+    rule, equal to a CUTLASS tile's result to rounding; dW has no decode kernel."""
+    V, M, K, N, G = 3, 12, 1024, 320, 8
+    lhs, rhs = random_float((V, M, K), jnp.bfloat16), random_float((G, K, N), jnp.bfloat16)
+    sizes = jnp.stack([random_sizes(G, M) for _ in range(V)])
+    call = lambda: jax.jit(jax.vmap(lambda a, b, s: jmp.ragged_dot(a, b, s), (0, None, 0)))
+    decode = call()
+    assert "@jax_moe_permute.ragged_dot_decode(" in decode.lower(lhs, rhs, sizes).as_text()
+    out = decode(lhs, rhs, sizes)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "64x256")
+    tiled = call()
+    assert "@jax_moe_permute.ragged_dot_decode(" not in tiled.lower(lhs, rhs, sizes).as_text()
+    tiled = tiled(lhs, rhs, sizes)
+    for v in range(V):
+        assert_matches(out[v], ref_ragged_dot(lhs[v], rhs, sizes[v]), jnp.bfloat16)
+        assert_matches(out[v], tiled[v], jnp.bfloat16)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_TILE", DECODE_TILE)
+    with pytest.raises(Exception, match="MOE_GROUPED_GEMM_DW_TILE"):
+        jax.block_until_ready(jax.grad(lambda b: jnp.sum(jmp.ragged_dot(lhs[0], b, sizes[0]).astype(jnp.float32)))(rhs))
 
 
 @needs_gpu

@@ -5,8 +5,8 @@ choose the tile rules in cpp/ffi_grouped_gemm_cuda.cc:
     python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw]   (KINDS: comma-separated, default below)
 
 rows (the default): forward and forward+backward per tile (d lhs on the same tile, dW on its own
-rule), the same-run dense GEMM, and for decode the time over the weight-read bound at the copy
-bandwidth. dw: the weight gradient alone per tile. Each tile's output is compared with the first
+rule), the same-run dense GEMM, and for decode the forward's decode kernel too and the time over
+the weight-read bound at the copy bandwidth. dw: the weight gradient alone per tile. Each tile's output is compared with the first
 tile's (max_diff). Needs an sm_90 GPU. benchmarks/results/ragged_dot-tiles-h200.json holds a run
 with three more tiles, since removed (128x128 cooperative, 64x128 and 64x64 ping-pong);
 docs/design-notes.md has the numbers."""
@@ -22,7 +22,7 @@ import numpy as np
 import jax_moe_permute as jmp
 from jax_moe_permute.bench import copy_ceiling_tbps, device_us
 from jax_moe_permute.bench_gemm import PROBLEMS, op_call, problem_inputs
-from jax_moe_permute.grouped_gemm import TILES
+from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES
 
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
 
@@ -44,7 +44,7 @@ def main(out_path: str, kinds=KINDS, target: str = "rows") -> None:
             dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10) if target == "rows" else None
             bound_us = (np.count_nonzero(sizes) * K * N + M * K + M * N) * 2 / copy / 1e6
             first = None
-            for tile in TILES:
+            for tile in TILES + ((DECODE_TILE,) if target == "rows" and kind.startswith("decode") else ()):
                 os.environ[variable] = tile
                 y = np.asarray(call(*args), np.float32)
                 first = y if first is None else first
