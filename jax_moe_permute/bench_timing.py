@@ -84,29 +84,57 @@ def device_us_or_none(f: Callable, *args, iterations: int = 20) -> float | None:
 
 
 def sign_flip_copy():
-    """A jitted elementwise copy that XLA cannot elide: the sign bit of each bf16 flipped as a
-    uint16 xor (integer work, so the CPU does not widen bf16 to float32 on the way)."""
-    return jax.jit(lambda a: a ^ jnp.uint16(0x8000))
+    """A jitted elementwise copy that XLA cannot elide: the sign bits of bf16 pairs flipped as a
+    uint32 xor (integer work, so the CPU does not widen bf16 to float32; 32-bit elements, so
+    the GPU loads and stores vectors)."""
+    return jax.jit(lambda a: a ^ jnp.uint32(0x80008000))
 
 
 def copy_buffer(nbytes: int) -> jax.Array:
-    """The input of a copy that reads and writes `nbytes` in all: nbytes / 4 uint16 elements
+    """The input of a copy that reads and writes `nbytes` in all: nbytes / 8 uint32 elements
     (at least one), random so no page is shared or zero."""
-    n = max(1, nbytes // 4)
-    return jax.random.bits(jax.random.PRNGKey(0), (n,), jnp.uint16)
+    return jax.random.bits(jax.random.PRNGKey(0), (max(1, nbytes // 8),), jnp.uint32)
+
+
+@functools.lru_cache(maxsize=None)
+def xla_copy_tbps(nbytes: int, iterations: int = 20) -> float:
+    """Read+write bandwidth of a jitted elementwise copy moving `nbytes` in all, timed with
+    device_us (CUPTI kernel time on GPU, the jitted call's wall clock on CPU)."""
+    x = copy_buffer(nbytes)
+    us = device_us(sign_flip_copy(), x, iterations=iterations)
+    return 8 * x.size / us / 1e6  # 4 bytes read and 4 written per element
+
+
+def numpy_copy_tbps(nbytes: int) -> float:
+    """Read+write bandwidth of numpy's copy between two warm buffers moving `nbytes` in all
+    (in cache where they fit), repeated so each timing spans about 4 MB of copies."""
+    a = np.arange(max(1, nbytes // 8), dtype=np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    repeats = max(1, 2**22 // (2 * a.nbytes))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            np.copyto(b, a)
+        times.append((time.perf_counter() - start) / repeats)
+    return 2 * a.nbytes / statistics.median(times) / 1e12
 
 
 @functools.lru_cache(maxsize=None)
 def same_bytes_copy_tbps(nbytes: int, iterations: int = 20) -> float:
-    """Read+write bandwidth of a jitted elementwise copy moving `nbytes` in all, timed like the
-    ops (device_us: CUPTI kernel time on GPU, wall clock of the jitted call on CPU). An op's
-    "% ceil" is its TB/s over this: a small op's buffers sit in L2 (GPU) or cache (CPU), and so
-    do this copy's, so the ratio compares like with like; a large one is against HBM / DRAM."""
-    x = copy_buffer(nbytes)
-    us = device_us(sign_flip_copy(), x, iterations=iterations)
-    moved = 4 * x.size  # uint16: 2 bytes read and 2 written per element
-    del x
-    return moved / us / 1e6
+    """Read+write bandwidth of a warm copy moving `nbytes` in all, its buffers as cache-resident
+    as an op's of that size: on GPU a jitted copy timed like the ops (CUPTI kernel time, L2 warm
+    from the previous call), on CPU numpy's (no jax dispatch in it)."""
+    return xla_copy_tbps(nbytes, iterations) if on_gpu() else numpy_copy_tbps(nbytes)
+
+
+def op_ceiling_tbps(nbytes: int, large_copy_tbps: float, iterations: int = 20) -> float:
+    """The bandwidth an op moving `nbytes` is held to ("% ceil"): the faster of a copy of those
+    same bytes (same_bytes_copy_tbps: above device memory's bandwidth where they fit in L2 or
+    cache, the reason a 4 GiB copy alone let small ops read over 100%) and the large copy
+    (below it where a small copy is launch-bound, or where XLA's copy kernel is slower)."""
+    return max(same_bytes_copy_tbps(nbytes, iterations), large_copy_tbps)
 
 
 def large_copy_buffer_bytes() -> int:
@@ -119,7 +147,7 @@ def large_copy_buffer_bytes() -> int:
 def jitted_copy_tbps(buffer_bytes: int | None = None, iterations: int = 20) -> float:
     """Read+write bandwidth of a jitted elementwise copy of a large buffer (what XLA's own
     kernels reach; the bound the decode issue quotes), timed with device_us."""
-    return same_bytes_copy_tbps(2 * (buffer_bytes or large_copy_buffer_bytes()), iterations)
+    return xla_copy_tbps(2 * (buffer_bytes or large_copy_buffer_bytes()), iterations)
 
 
 def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
