@@ -165,7 +165,10 @@ def plot(rows, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --help after the dispatch below, so `--ops decode --help` shows bench_decode's flags
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
     p.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the grid)")
@@ -181,6 +184,9 @@ def main(argv=None) -> int:
             if not set(ops) <= set(family.OPS):
                 p.error(f"{', '.join(family.OPS)} run on their own; ask for the other ops apart")
             return family.main(argv)
+    if args.help:
+        p.print_help()
+        return 0
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     jobs = []
