@@ -355,7 +355,7 @@ def plot(rows, path: str) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ls=ls, label=f"{impl} {label}")
         ax.axhline(1.0, color="k", lw=1)
         ax.axhline(1.5, color="k", lw=1, ls="--", label="1.5x (goal)")
-        ax.set(xscale="log", xlabel="tokens T", ylabel="time / weight-read bound")
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time / weight-read bound")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
