@@ -3,7 +3,9 @@
     python -m jax_moe_permute.bench [--quick] [--model mixtral,qwen3] [--tokens 1,4096]
                                     [--ops permute,unpermute] [--json out.json] [--plot out.png]
 
-`--ops layer,layer_bwd` runs the whole-layer benchmark instead (bench_layer.py).
+`--ops layer,layer_bwd` runs the whole-layer benchmark instead (bench_layer.py),
+`--ops ragged_dot,ragged_dot_bwd` the grouped GEMM's (bench_gemm.py) and `--ops decode` a
+serving decode step over a stack of layers (bench_decode.py).
 
 On GPU, device time is the sum of each op's kernel times from CUPTI
 (jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are the
@@ -12,23 +14,28 @@ K copies written), unpermute (K rows read, one written) and permute's backward (
 T*H*itemsize*(1+2K) for unpermute's backward (the cotangent read once, K rows of its gradient
 written, and K expert rows read again for the weights' gradient); for permute with an
 expert_map or align_size=128, the rows of routed tokens read plus every output row written.
+
+"% ceil" is our TB/s over op_ceiling_tbps (bench_timing): the faster of a warm copy of the same
+bytes (on GPU a jitted copy timed like the op, CUPTI kernel time; on CPU numpy's copy) and the
+run's large copy (torch's 4 GiB copy on GPU, HBM; a 128 MiB numpy copy on CPU). A small op's
+buffers sit in L2 or cache, where a copy beats device memory's bandwidth: held to the large copy
+alone, they read over 100%. On CPU the op's wall clock holds jax's dispatch and the copy's does
+not: small ops read low there. "% mem" is our TB/s over the large copy alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import statistics
-import sys
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
+
+from . import bench_decode, bench_gemm, bench_layer
+from .bench_timing import (copy_ceiling_tbps, device_us, on_gpu, op_ceiling_tbps, progress, same_bytes_copy_tbps,
+                           save_rows)
 
 MODELS = {  # name: (E, K, H, token counts)
     "mixtral": (8, 2, 4096, (1, 64, 2048, 4096, 32768)),
@@ -42,104 +49,6 @@ OPS = ("permute", "unpermute", "permute_bwd", "unpermute_bwd", "permute_ep", "pe
 # permute_ep: expert parallelism, an expert_map keeping E/8 experts local; permute_align128:
 # expert blocks padded to 128 rows. Both are charged the rows they must read and write.
 ROUTED_OPS = ("permute_ep", "permute_align128")
-SLOW_CALL_S = 1.0  # device_us_or_none times a call this slow once more, not `iterations` times
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def device_us(f: Callable, *args, iterations: int = 20) -> float:
-    """Median time of one call of jitted f: CUPTI kernel time on GPU, wall clock elsewhere."""
-    if on_gpu():
-        from jax.experimental.mosaic.gpu import profiler
-
-        out_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree.leaves(jax.block_until_ready(f(*args))))
-        # CUPTI's measure keeps every iteration's outputs alive (a backward's dW can be 20 GB):
-        # batches of iterations whose outputs fit in half the free device memory.
-        stats = jax.devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        batch = max(1, min(iterations, int(free / 2 // out_bytes))) if free > 0 and out_bytes else iterations
-        times_ms = []
-        while len(times_ms) < iterations:
-            _, batch_ms = profiler.measure(f, iterations=batch)(*args)
-            times_ms += batch_ms if isinstance(batch_ms, (list, tuple)) else [batch_ms]
-        return 1e3 * statistics.median(times_ms)
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(max(3, iterations)):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
-
-
-def none_if_out_of_memory(fn: Callable) -> Callable:
-    """Decorator: fn's result, or None (and a note) where XLA runs out of device memory, as the
-    pure-JAX ragged_dot's zero-padded expansion can, so one shape does not end a run."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - XLA's runtime error class differs across jax versions
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
-            print(f"  (out of memory: {str(err).splitlines()[0][:160]})", flush=True)
-            return None
-    return wrapped
-
-
-@none_if_out_of_memory
-def device_us_or_none(f: Callable, *args, iterations: int = 20) -> float | None:
-    """device_us of jitted f, but one more wall-clock call for a call slower than SLOW_CALL_S, and
-    None where it runs out of device memory."""
-    compiled = f.lower(*args).compile()
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    if time.perf_counter() - start > SLOW_CALL_S:
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        return 1e6 * (time.perf_counter() - start)
-    return device_us(compiled, *args, iterations=iterations)
-
-
-def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
-    """Read+write bandwidth of a large copy: device-to-device (torch's copy_ when available) on
-    GPU, between two warm numpy buffers on CPU."""
-    if on_gpu():
-        try:
-            import torch
-
-            a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(10):
-                start.record()
-                b.copy_(a)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e-3)
-            del a, b
-            torch.cuda.empty_cache()
-            return 2 * nbytes / statistics.median(times) / 1e12
-        except ImportError:
-            pass
-        x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
-        us = device_us(jax.jit(lambda a: a * jnp.bfloat16(-1)), x)
-        return 2 * nbytes / us / 1e6
-    # CPU: a copy between two warm buffers (XLA's fresh outputs would add page faults).
-    a = np.random.default_rng(0).standard_normal(2**25).astype(np.float32)  # 128 MiB
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - start)
-    return 2 * a.nbytes / statistics.median(times) / 1e12
 
 
 def routing(T: int, E: int, K: int, seed: int = 0):
@@ -211,24 +120,22 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, dtype=jnp.bfloat16, i
         ref_us = device_us(ref_f, *ref_args, iterations=iterations)
         nbytes = op_bytes(op, T, H, K, jnp.dtype(dtype).itemsize, f(*args) if op in ROUTED_OPS else None)
         rows.append(dict(model=model, T=T, H=H, E=E, K=K, op=op, us=us, ref_us=ref_us,
-                         TBps=nbytes / us / 1e6, copy_TBps=copy_tbps, bytes=nbytes))
+                         TBps=nbytes / us / 1e6, ceil_TBps=op_ceiling_tbps(nbytes, copy_tbps, iterations),
+                         same_bytes_copy_TBps=same_bytes_copy_tbps(nbytes, iterations), copy_TBps=copy_tbps,
+                         bytes=nbytes))
     return rows
 
 
 def format_table(rows) -> str:
-    head = f"{'model':9} {'T':>6} {'op':14} {'us':>9} {'ref us':>9} {'speed-up':>8} {'TB/s':>6} {'% ceil':>6}"
+    """% ceil: against op_ceiling_tbps (module docstring); % mem: against the large copy alone."""
+    head = (f"{'model':9} {'T':>6} {'op':14} {'us':>9} {'ref us':>9} {'speed-up':>8} {'TB/s':>6} "
+            f"{'ceil TB/s':>9} {'% ceil':>6} {'% mem':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:9} {r['T']:>6} {r['op']:14} {r['us']:9.1f} {r['ref_us']:9.1f} "
-                     f"{r['ref_us'] / r['us']:7.2f}x {r['TBps']:6.2f} {100 * r['TBps'] / r['copy_TBps']:5.0f}%")
+                     f"{r['ref_us'] / r['us']:7.2f}x {r['TBps']:6.2f} {r['ceil_TBps']:9.2f} "
+                     f"{100 * r['TBps'] / r['ceil_TBps']:5.0f}% {100 * r['TBps'] / r['copy_TBps']:5.0f}%")
     return "\n".join(lines)
-
-
-def save_rows(rows, path: str) -> None:
-    """Writes the rows as JSON; called after every shape, so an interrupted run keeps what it measured."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 def plot(rows, path: str) -> None:
@@ -246,7 +153,10 @@ def plot(rows, path: str) -> None:
             line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} (ours)")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", color=line.get_color(),
                     label=f"{op} (reference)")
-        ax.axhline(mine[0]["copy_TBps"], color="k", lw=1, label="copy ceiling")
+        ceil = sorted({(r["T"], r["ceil_TBps"]) for r in mine if r["op"] == mine[0]["op"]})
+        ax.plot([p[0] for p in ceil], [p[1] for p in ceil], color="0.5", ls=":",
+                label=f"ceiling at {mine[0]['op']}'s bytes")
+        ax.axhline(mine[0]["copy_TBps"], color="k", lw=1, label="large copy (device memory)")
         ax.set(xscale="log", xlabel="tokens T", ylabel="TB/s", title=model)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
@@ -254,22 +164,11 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def progress(items):
-    """tqdm's bar when it is installed, else one `[i/n]` line per item on stderr."""
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, file=sys.stderr)
-    except ImportError:
-        def counted():
-            for i, item in enumerate(items, 1):
-                print(f"[{i}/{len(items)}] {item}", file=sys.stderr, flush=True)
-                yield item
-        return counted()
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --help after the dispatch below, so `--ops decode --help` shows bench_decode's flags
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
     p.add_argument("--model", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the grid)")
@@ -280,13 +179,14 @@ def main(argv=None) -> int:
     args, unknown = p.parse_known_args(argv)
 
     ops = args.ops.split(",")
-    from . import bench_gemm, bench_layer  # the grouped GEMM and the whole layer: own grids, rows, plots
-
-    for family in (bench_gemm, bench_layer):
+    for family in (bench_gemm, bench_layer, bench_decode):  # own grids, rows, tables and plots
         if set(ops) & set(family.OPS):
             if not set(ops) <= set(family.OPS):
                 p.error(f"{', '.join(family.OPS)} run on their own; ask for the other ops apart")
             return family.main(argv)
+    if args.help:
+        p.print_help()
+        return 0
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     jobs = []
@@ -301,8 +201,8 @@ def main(argv=None) -> int:
         jobs += [(model, t) for t in tokens]
 
     copy_tbps = copy_ceiling_tbps()
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.2f} TB/s",
-          flush=True)
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); large copy {copy_tbps:.2f} TB/s "
+          "(% mem); % ceil: against the faster of it and a warm copy of the op's own bytes", flush=True)
     rows = []
     for model, T in progress(jobs):
         rows += bench_shape(model, T, ops, copy_tbps, iterations=args.iterations)

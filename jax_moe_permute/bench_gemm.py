@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.bench import copy_ceiling_tbps, device_us_or_none, on_gpu, save_rows
+from .bench_timing import copy_ceiling_tbps, device_us_or_none, on_gpu, save_rows
 
 OPS = ("ragged_dot", "ragged_dot_bwd")
 # name: (experts G, top-k, rows per expert at uniform routing, K, N)

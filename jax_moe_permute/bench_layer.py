@@ -13,7 +13,7 @@ dense:     [T*K, H] @ [H, 2F] -> SwiGLU -> @ [F, H], the expert GEMMs' FLOPs as 
 FLOPs are the expert GEMMs' (6*T*K*H*F forward, twice that backward; the router's 2*T*H*E is
 left out). `layer_bwd` times the backward pass alone (its vjp function is an argument of the
 jitted call, as in bench.py). weight_bound_us moves weight_bytes at the run's copy bandwidth
-(bench.copy_ceiling_tbps): the weights of the experts the routing picks, read once, and for
+(bench_timing.copy_ceiling_tbps): the weights of the experts the routing picks, read once, and for
 layer_bwd every expert's dW written (the gradient is dense). The decode goal: us within 1.5x of
 it at T = 1 and 64 (the `/bound` column).
 
@@ -22,9 +22,10 @@ it at T = 1 and 64 (the `/bound` column).
 previous stage's outputs (forward, or that stage's backward for layer_bwd); non_gemm_share is
 the split's share outside the two GEMMs (goal: <= 10% at T = 4096). A timing that runs out of
 device memory (the reference's jax.lax.ragged_dot, which XLA lowers to a dense product over a
-zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left out of the plot. Device time as in bench.py: CUPTI kernel time on GPU (a call over a second: one
-wall-clock call), wall clock on CPU. On CPU the default model is "tiny" (the real shapes take
-minutes a call there).
+zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left out of the plot.
+Device time as in bench.py (bench_timing.device_us): CUPTI kernel time on GPU (a call over a
+second: one wall-clock call), wall clock on CPU. On CPU the default model is "tiny" (the real
+shapes take minutes a call there).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench, layer, reference
+from . import layer, reference
+from .bench_timing import copy_ceiling_tbps, device_us_or_none, none_if_out_of_memory, on_gpu, progress, save_rows
 from .grouped_gemm import ragged_dot
 from . import ops as jmp_ops
 from .routing import route
@@ -75,16 +77,16 @@ def layer_fn(impl: str, K: int):
     return f
 
 
-@bench.none_if_out_of_memory
+@none_if_out_of_memory
 def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float | None:
     """Device time of f(*diff_args, *const_args), or of its backward pass alone; None out of memory."""
     if not bwd:
-        return bench.device_us_or_none(jax.jit(f), *diff_args, *const_args, iterations=iterations)
+        return device_us_or_none(jax.jit(f), *diff_args, *const_args, iterations=iterations)
     vjp = jax.vjp(jax.jit(lambda *d: f(*d, *const_args)), *diff_args)[1]  # runs the forward, untimed
-    return bench.device_us_or_none(jax.jit(lambda v, c: v(c)), vjp, ct, iterations=iterations)
+    return device_us_or_none(jax.jit(lambda v, c: v(c)), vjp, ct, iterations=iterations)
 
 
-@bench.none_if_out_of_memory
+@none_if_out_of_memory
 def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int) -> dict | None:
     """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone."""
     E = w_in.shape[0]
@@ -266,23 +268,23 @@ def main(argv=None) -> int:
     bad = [op for op in ops if op not in OPS]
     if bad:
         p.error(f"the layer benchmark runs {', '.join(OPS)}; got {', '.join(bad)}")
-    default_models = "mixtral,qwen3,deepseek" if bench.on_gpu() else "tiny"
-    tokens = TOKENS if bench.on_gpu() else CPU_TOKENS
+    default_models = "mixtral,qwen3,deepseek" if on_gpu() else "tiny"
+    tokens = TOKENS if on_gpu() else CPU_TOKENS
     if args.tokens:
         tokens = tuple(int(t) for t in args.tokens.split(","))
     elif args.quick:
         tokens = (1, 64)
-    copy_tbps = bench.copy_ceiling_tbps()
+    copy_tbps = copy_ceiling_tbps()
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.3g} TB/s",
           flush=True)
     print(HEADER + "\n" + "-" * len(HEADER), flush=True)
     rows = []
     jobs = [(m, t) for m in (args.model or default_models).split(",") for t in tokens]
-    for model, T in bench.progress(jobs):
+    for model, T in progress(jobs):
         new = bench_shape(model, T, ops, copy_tbps, iterations=args.iterations, split=not args.no_split,
                           ref_split=args.ref_split, with_reference=not args.no_reference)
         rows += new
-        bench.save_rows(rows, args.json)
+        save_rows(rows, args.json)
         for r in new:  # as measured, so a run cut short still shows its rows
             print(format_row(r), flush=True)
     if args.plot:

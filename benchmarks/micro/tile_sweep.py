@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from jax_moe_permute.bench import copy_ceiling_tbps, device_us
+from jax_moe_permute.bench_timing import copy_ceiling_tbps, device_us
 from jax_moe_permute.bench_gemm import PROBLEMS, op_call, problem_inputs
 from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES
 
