@@ -2,7 +2,7 @@
 (forward and d lhs) or MOE_GROUPED_GEMM_DW_TILE (dW), both read by the kernels at every call, to
 choose the tile rules in cpp/ffi_grouped_gemm_cuda.cc:
 
-    python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw]   (KINDS: comma-separated, default below)
+    python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw] [PROBLEMS]   (comma-separated; defaults below)
 
 rows (the default): forward and forward+backward per tile (d lhs on the same tile, dW on its own
 rule), the same-run dense GEMM, and for decode the forward's decode kernel too and the time over
@@ -27,25 +27,28 @@ from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
 
 
-def main(out_path: str, kinds=KINDS, target: str = "rows") -> None:
+def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLEMS)) -> None:
     assert jmp.grouped_gemm.kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
     variable = {"rows": "MOE_GROUPED_GEMM_TILE", "dw": "MOE_GROUPED_GEMM_DW_TILE"}[target]
     copy = copy_ceiling_tbps()
     rows = []
-    for name, (G, topk, rows_per_group, K, N) in PROBLEMS.items():
+    for name in problems:
+        G, topk, rows_per_group, K, N = PROBLEMS[name]
         for kind in kinds:
             sizes, lhs, rhs, ct = problem_inputs(name, kind)
             M = int(sizes.sum())
             gs = jnp.asarray(sizes)
             flops = 2 * M * K * N
-            fwd, train = op_call(jmp.ragged_dot, "ragged_dot", gs), op_call(jmp.ragged_dot, "ragged_dot_bwd", gs)
-            d_rhs = jax.jit(lambda a, b, c: jax.vjp(lambda b: jmp.ragged_dot(a, b, gs), b)[1](c)[0])
-            call, args = (fwd, (lhs, rhs, gs)) if target == "rows" else (d_rhs, (lhs, rhs, ct))
+            args = (lhs, rhs, gs) if target == "rows" else (lhs, rhs, ct)
             dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10) if target == "rows" else None
             bound_us = (np.count_nonzero(sizes) * K * N + M * K + M * N) * 2 / copy / 1e6
             first = None
             for tile in TILES + ((DECODE_TILE,) if target == "rows" and kind.startswith("decode") else ()):
                 os.environ[variable] = tile
+                # Traced anew per tile: the decode kernel is chosen when a call is lowered.
+                fwd, train = op_call(jmp.ragged_dot, "ragged_dot", gs), op_call(jmp.ragged_dot, "ragged_dot_bwd", gs)
+                d_rhs = jax.jit(lambda a, b, c: jax.vjp(lambda b: jmp.ragged_dot(a, b, gs), b)[1](c)[0])
+                call = fwd if target == "rows" else d_rhs
                 y = np.asarray(call(*args), np.float32)
                 first = y if first is None else first
                 us = device_us(call, *args, iterations=10)
@@ -57,12 +60,14 @@ def main(out_path: str, kinds=KINDS, target: str = "rows") -> None:
                                dense_us=dense_us, dense_tflops=flops / dense_us / 1e6, bound_ratio=us / bound_us)
                 rows.append(row)
                 print(row, flush=True)
-                del y
+                del y, fwd, train, d_rhs, call
             del os.environ[variable]
+            del lhs, rhs, ct, args
             with open(out_path, "w") as f:
                 json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else KINDS,
-         sys.argv[3] if len(sys.argv) > 3 else "rows")
+         sys.argv[3] if len(sys.argv) > 3 else "rows",
+         tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else tuple(PROBLEMS))
