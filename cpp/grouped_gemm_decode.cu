@@ -145,7 +145,8 @@ __device__ void multiply_rows(const E* __restrict__ x, int rows, const E* __rest
     }
     __syncthreads();
     const E* w_stage = w + k0 * N + col;
-#pragma unroll 1
+    // Unrolled twice: the next step's loads are issued while this step's multiply.
+#pragma unroll 2
     for (int s0 = 0; s0 < stage; s0 += kUnroll * kWarps) {
       uint4 wv[kUnroll];
 #pragma unroll
@@ -251,6 +252,7 @@ __global__ void __launch_bounds__(kThreads) add_partials(E* out, const float* pa
     const int64_t i = v * kVec;
     float sum[kVec] = {};
     if (i / N < covered[b]) {
+#pragma unroll 4
       for (int s = 0; s < splits; ++s) {
         const float4* p = reinterpret_cast<const float4*>(partials + (b * splits + s) * M * N + i);
         const float4 lo = p[0], hi = p[1];
@@ -296,9 +298,10 @@ bool decode_gemm_fits(const GroupedGemmArgs& a) {
 }
 
 int decode_splits(const GroupedGemmArgs& a) {
-  // Enough blocks for kBlocksPerSm waves of resident blocks when every slot has a group.
+  // One wave of resident blocks when every slot has a group: a block's fixed costs (finding its
+  // group, the sums across warps) are paid once and its loads stay in flight for longer.
   const int64_t blocks = std::max<int64_t>(1, std::min(a.groups, a.rows) * ((a.n + kStrip - 1) / kStrip) * a.batch);
-  const int64_t want = (2 * kBlocksPerSm * int64_t(sm_count()) + blocks - 1) / blocks;
+  const int64_t want = kBlocksPerSm * int64_t(sm_count()) / blocks;
   return int(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, std::min<int64_t>(64, a.k / kMinSplitRows))));
 }
 

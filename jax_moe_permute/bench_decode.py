@@ -150,17 +150,31 @@ def moe_block(impl: str, model: DecodeModel):
     return block
 
 
-def decode_step(impl: str, model: DecodeModel):
-    """step(x [T, H], stacked params) -> x after every layer: one scan over the layers."""
+def decode_step(impl: str, model: DecodeModel, unroll: int = 1):
+    """step(x [T, H], stacked params) -> x after every layer: one scan over the layers
+    (`unroll` layers per loop iteration; the layer count: no loop)."""
     block = moe_block(impl, model)
-    return lambda x, params: jax.lax.scan(lambda x, p: (block(x, p)[0], None), x, params)[0]
+    return lambda x, params: jax.lax.scan(lambda x, p: (block(x, p)[0], None), x, params, unroll=unroll)[0]
 
 
 def routed_experts(model: DecodeModel, params: dict, xs) -> list[list[int]]:
     """For each x of xs, the distinct experts each layer of ours routes it to (the experts whose
     weights the step reads): [input][layer]."""
     block = moe_block("ours", model)
-    routing = jax.jit(lambda x, params: jax.lax.scan(block, x, params)[1])  # [L, T, K] ids
+    L = params["router"].shape[0]
+
+    # The ids ride in the carry: a scan that stacks them as outputs made XLA copy the stacked
+    # weights (56 GiB more for Mixtral's).
+    def one_layer(carry, p):
+        x, ids, l = carry
+        x, layer_ids = block(x, p)
+        return (x, jax.lax.dynamic_update_index_in_dim(ids, layer_ids, l, 0), l + 1), None
+
+    def routing(x, params):
+        ids = jnp.zeros((L, x.shape[0], model.top_k), jnp.int32)
+        return jax.lax.scan(one_layer, (x, ids, 0), params)[0][1]  # [L, T, K]
+
+    routing = jax.jit(routing)
     return [[int(np.unique(ids).size) for ids in np.asarray(routing(x, params))] for x in xs]
 
 
@@ -248,9 +262,10 @@ def hlo_stats(text: str) -> dict:
 
 
 @none_if_out_of_memory
-def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup: int, iterations: int) -> dict:
+def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup: int, iterations: int,
+            unroll: int = 1) -> dict:
     """Times, memory and HLO statistics of one implementation's step; None out of memory."""
-    compiled = jax.jit(decode_step(impl, model)).lower(xs[0], params).compile()
+    compiled = jax.jit(decode_step(impl, model, unroll)).lower(xs[0], params).compile()
     out = dict(compiled_memory(compiled), **hlo_stats(compiled.as_text()))
     out["wall_us"] = wall_us(compiled, xs, params, steps, warmup)
     out["device_us"] = device_us_or_note(compiled, xs[0], params, iterations=iterations)
@@ -262,7 +277,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: float, steps: int = 50,
-                warmup: int = 5, iterations: int = 20, with_reference: bool = True) -> list[dict]:
+                warmup: int = 5, iterations: int = 20, with_reference: bool = True, unroll: int = 1) -> list[dict]:
     """One row per implementation of MODELS[name]'s decode step at T tokens."""
     model = MODELS[name]
     L = params["router"].shape[0]
@@ -274,7 +289,7 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
     times = {}
     for impl in IMPLS:
         if impl == "ours" or with_reference:
-            times[impl] = measure(impl, model, params, xs, steps, warmup, iterations)
+            times[impl] = measure(impl, model, params, xs, steps, warmup, iterations, unroll)
     rows = []
     for impl in IMPLS:
         got = times.get(impl)
@@ -283,7 +298,8 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
         wall, dev = got.get("wall_us"), got.get("device_us")
         mine, theirs = times.get("ours") or {}, times.get("pure_jax") or {}
         rows.append(dict(
-            model=name, T=T, impl=impl, status=status, layers=L, E=model.experts, K=model.top_k, H=model.hidden,
+            model=name, T=T, impl=impl, status=status, layers=L, unroll=unroll, E=model.experts, K=model.top_k,
+            H=model.hidden,
             F=model.ffn, routing=dict(model.routing, bias=model.bias), wall_us=wall, device_us=dev,
             routed_experts_per_layer=per_layer, bound_bytes=nbytes, copy_TBps=copy_tbps, jit_copy_TBps=jit_tbps,
             bound_us=bound_us, jit_bound_us=jit_bound_us, wall_over_bound=ratio(wall, bound_us),
@@ -379,6 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=20, help="CUPTI iterations")
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 20 steps")
     p.add_argument("--no-reference", action="store_true", help="skip the pure-JAX stack")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="layers per loop iteration of the scan (0: all of them, no loop); default 1")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args(argv)
@@ -417,7 +435,8 @@ def main(argv=None) -> int:
         params = stacked_weights(model, L)
         for T in progress(tokens):
             new = bench_point(name, params, T, copy_tbps, jit_tbps, steps=steps, warmup=args.warmup,
-                              iterations=args.iterations, with_reference=not args.no_reference)
+                              iterations=args.iterations, with_reference=not args.no_reference,
+                              unroll=args.unroll or L)
             rows += new
             save_rows(rows, args.json)
             for r in new:  # as measured, so a run cut short still shows its rows

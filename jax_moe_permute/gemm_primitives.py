@@ -137,7 +137,7 @@ def _ffi_call(ctx, target, layout, args, **attributes):
 # The forward GEMM runs on the decode kernel (CUDA cores streaming each routed matrix, split along
 # its rows; graph-safe) while groups average at most this many rows, on CUTLASS's tiles above
 # (measured on the H200: BENCHMARKS.md, "Decode").
-DECODE_ROWS_PER_GROUP = 2
+DECODE_ROWS_PER_GROUP = 1
 _MAX_GRID_Y = 65535
 
 
