@@ -87,8 +87,13 @@ class Block(nnx.Module):
                     else DenseMLP(c["width"], c["top_k"] * c["ffn"], rngs=rngs))
 
     def __call__(self, x):
+        """(the block's output, the MoE layer's RouterAux or None for a dense MLP)."""
         x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.norm2(x), return_aux=True)
+        else:
+            y, aux = self.mlp(self.norm2(x)), None
+        return x + y, aux
 
 
 class LM(nnx.Module):
@@ -99,10 +104,14 @@ class LM(nnx.Module):
         self.norm = nnx.RMSNorm(c["width"], rngs=rngs)
 
     def __call__(self, tokens):
+        """(logits, the RouterAux of each MoE layer)."""
         x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+        auxes = []
         for block in self.blocks:
-            x = block(x)
-        return self.embed.attend(self.norm(x))  # tied output embedding
+            x, aux = block(x)
+            if aux is not None:
+                auxes.append(aux)
+        return self.embed.attend(self.norm(x)), auxes  # tied output embedding
 
 
 def batches(data: np.ndarray, batch: int, context: int, rng: np.random.Generator):
@@ -114,14 +123,9 @@ def batches(data: np.ndarray, batch: int, context: int, rng: np.random.Generator
 
 def loss_fn(model, x, y, aux_weight=1e-2, z_weight=1e-3):
     """(total loss, cross-entropy in nats): the MoE's balancing and z losses, summed over layers."""
-    logits, aux = nnx.capture(model, nnx.Intermediate)(x)
+    logits, auxes = model(x)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    extra = 0.0
-    for path, var in nnx.to_flat_state(aux):
-        if path[-1] == "load_balance_loss":
-            extra += aux_weight * sum(var.get_value())
-        elif path[-1] == "router_z_loss":
-            extra += z_weight * sum(var.get_value())
+    extra = sum(aux_weight * a.load_balance_loss + z_weight * a.router_z_loss for a in auxes)
     return ce + extra, ce
 
 

@@ -5,6 +5,9 @@
   replaced `pvary`; explicit-sharding avals carry an output sharding.
 - Partitioning our kernel calls (`custom_partitioning` inside a primitive's lowering) needs the
   device assignment at lowering time, which jax fixes only for primitives it knows need it.
+- Flax NNX intermediates: flax 0.12.6 added `nnx.capture` and deprecated `Module.sow` outside it
+  (a DeprecationWarning on every such call); earlier 0.12 releases have only that outside form,
+  which stores sown values as module attributes.
 """
 
 from __future__ import annotations
@@ -78,3 +81,15 @@ def require_devices_at_lowering(*primitives) -> None:
     registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
     if registry is not None:
         registry.update(primitives)
+
+
+def nnx_sow(module, variable_type, name, value) -> None:
+    """`module.sow(variable_type, name, value)` while `module` runs under `nnx.capture`, else nothing.
+
+    `nnx.capture` (flax >= 0.12.6) gives each module it captures from a `__captures__` attribute,
+    what `Module.sow` itself tests. Outside it a sow would warn (flax >= 0.12.6) and store the
+    value as a module attribute, growing the model's state on every call (a jitted training
+    step then retraces each step), so a plain call sows nothing. flax < 0.12.6 has no
+    `nnx.capture`: nothing is ever sown there."""
+    if hasattr(module, "__captures__"):
+        module.sow(variable_type, name, value)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import layer, routing
+from . import _compat, layer, routing
 from .routing import RouterAux
 
 _expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
@@ -43,8 +43,13 @@ class MoE(nnx.Module):
     dimension of w_in / w_out, everything else replicated. With mesh and expert_axis the routed
     experts run expert-parallel through `jax_moe_permute.parallel.moe_ep` under jax.shard_map.
 
-    Each call sows (nnx.Intermediate) load_balance_loss, router_z_loss and tokens_per_expert:
-    read them with `y, aux = nnx.capture(model, nnx.Intermediate)(x)`.
+    The router's aux values (`RouterAux`: load_balance_loss, router_z_loss, tokens_per_expert)
+    come back either way:
+      y, aux = model(x, return_aux=True)                  # aux: a RouterAux of this call
+      y, inter = nnx.capture(model, nnx.Intermediate)(x)  # flax >= 0.12.6: sown as nnx.Intermediate
+    (inter["load_balance_loss"] is a tuple, one value per call, under the layer's path in a larger
+    model). Only a call under nnx.capture sows: flax 0.12.6+ deprecates `Module.sow` outside
+    it, so a plain `model(x)` stores nothing on the module and warns nothing.
     `dtype` is the computation dtype (default: x's and the params' promoted dtype);
     `param_dtype` the parameters'. Router math is float32.
     """
@@ -99,8 +104,8 @@ class MoE(nnx.Module):
             self.shared_w_in = param(_dense_init, (H, width // F * SF), (None, None))
             self.shared_w_out = param(_dense_init, (SF, H), (None, None))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., H] -> [..., H] in the computation dtype."""
+    def __call__(self, x: jax.Array, *, return_aux: bool = False):
+        """x [..., H] -> y [..., H] in the computation dtype; (y, RouterAux) with return_aux."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x's last dimension must be hidden_size ({self.hidden_size}), got shape {x.shape}")
         lead = x.shape[:-1]
@@ -111,7 +116,7 @@ class MoE(nnx.Module):
                           renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
                           topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
         for name, value in r.aux._asdict().items():
-            self.sow(nnx.Intermediate, name, value)
+            _compat.nnx_sow(self, nnx.Intermediate, name, value)
         w_in, w_out = self.w_in[...].astype(dtype), self.w_out[...].astype(dtype)
         if self.mesh is not None:
             y = layer.expert_parallel(x2, r.weights, r.ids, w_in, w_out, activation=self.activation,
@@ -121,7 +126,8 @@ class MoE(nnx.Module):
         if self.num_shared_experts:
             y = y + layer.shared_mlp(x2, self.shared_w_in[...].astype(dtype), self.shared_w_out[...].astype(dtype),
                                self.activation)
-        return y.reshape(*lead, self.hidden_size)
+        y = y.reshape(*lead, self.hidden_size)
+        return (y, r.aux) if return_aux else y
 
     def update_router_bias(self, tokens_per_expert: jax.Array, rate: float = 1e-3) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing step on router_bias (sigmoid scoring only),

@@ -1,6 +1,7 @@
 """The Flax modules (nnx.MoE, linen.MoE) against a dense reference built from their own variables:
 Mixtral / Qwen3-MoE / DeepSeek-V3 configurations, forward and gradients w.r.t. input and every
-parameter, leading dims, bf16, nnx transforms, sown aux, partitioning metadata, expert parallelism
+parameter, leading dims, bf16, nnx transforms, aux values (return_aux, nnx.capture, no
+DeprecationWarning on a plain call), partitioning metadata, expert parallelism
 on a 4-device CPU mesh (in a subprocess), bad arguments."""
 
 import functools
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -96,16 +98,86 @@ def test_nnx_forward_and_grads(name):
         close(got[k], ref_p[k], 1e-4)
 
 
-def test_nnx_leading_dims_and_sown_aux():
+def reference_aux(params, x, kw):
+    """The RouterAux that routing computes from the layer's router (and bias) for x."""
+    logits = jnp.dot(x.reshape(-1, H), params["router"], precision=HIGHEST)
+    return jmp.route(logits, K, scoring=kw.get("scoring", "softmax"), renormalize=kw.get("renormalize", True),
+                     bias=params.get("router_bias"), num_groups=kw.get("num_groups"),
+                     topk_groups=kw.get("topk_groups"),
+                     routed_scaling_factor=kw.get("routed_scaling_factor", 1.0)).aux
+
+
+def check_aux(aux, expected, tokens):
+    assert set(aux) == set(jmp.RouterAux._fields)
+    np.testing.assert_array_equal(aux["tokens_per_expert"], expected.tokens_per_expert)
+    assert int(jnp.sum(aux["tokens_per_expert"])) == tokens * K
+    close(aux["load_balance_loss"], expected.load_balance_loss)
+    close(aux["router_z_loss"], expected.router_z_loss)
+    assert float(aux["load_balance_loss"]) > 0 and float(aux["router_z_loss"]) > 0
+
+
+HAS_CAPTURE = hasattr(nnx, "capture")  # flax >= 0.12.6
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_nnx_plain_call_no_deprecation_warning(name):
+    """flax 0.12.6+ warns on every Module.sow outside nnx.capture: a plain call must not sow."""
+    m = make_nnx(name)
+    x = random_float((2, 3, H), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        # flax < 0.12.6 on jax 0.10 warns about its own jax.core use on every call: not ours
+        warnings.filterwarnings("ignore", r"jax\.core\.\w+ is deprecated", DeprecationWarning)
+        y = m(x)
+        close(nnx.jit(lambda m, x: m(x))(m, x), y)
+        y2, aux = m(x, return_aux=True)
+        if HAS_CAPTURE:
+            nnx.capture(m, nnx.Intermediate)(x)
+    close(y2, y)
+    assert isinstance(aux, jmp.RouterAux)
+    # nothing stored on the module by any of those calls (so a jitted step's state stays put)
+    assert len(nnx.to_flat_state(nnx.state(m, nnx.Intermediate))) == 0
+
+
+def test_nnx_leading_dims_and_aux():
+    """Aux values come back from return_aux=True and from nnx.capture, equal to what routing
+    computes; a single token [H] works too."""
+    kw = CONFIGS["deepseek"]
     m = make_nnx("deepseek")
     x = random_float((3, 2, 4, H), jnp.float32)
-    y, inter = nnx.jit(lambda m, x: nnx.capture(m, nnx.Intermediate)(x))(m, x)
-    close(y, reference(nnx_params(m), x, CONFIGS["deepseek"]))
+    params = nnx_params(m)
+    expected = reference_aux(params, x, kw)
+    y, aux = nnx.jit(lambda m, x: m(x, return_aux=True))(m, x)
+    close(y, reference(params, x, kw))
+    check_aux(aux._asdict(), expected, 24)
     close(nnx.jit(lambda m, x: m(x))(m, x[0, 0, 0]), y[0, 0, 0])  # a single token [H]
-    aux = {k[0]: v.get_value()[0] for k, v in nnx.to_flat_state(inter)}  # one sown value per call
-    assert set(aux) == {"load_balance_loss", "router_z_loss", "tokens_per_expert"}
-    assert int(jnp.sum(aux["tokens_per_expert"])) == 24 * K
-    assert float(aux["load_balance_loss"]) > 0 and float(aux["router_z_loss"]) > 0
+    if not HAS_CAPTURE:  # flax < 0.12.6: return_aux only
+        return
+    y_c, inter = nnx.jit(lambda m, x: nnx.capture(m, nnx.Intermediate)(x))(m, x)
+    close(y_c, y)
+    sown = {k[0]: v.get_value() for k, v in nnx.to_flat_state(inter)}
+    assert all(len(v) == 1 for v in sown.values())  # one sown value per call
+    check_aux({k: v[0] for k, v in sown.items()}, expected, 24)
+
+
+@pytest.mark.skipif(not HAS_CAPTURE, reason="nnx.capture: flax >= 0.12.6")
+def test_nnx_capture_in_a_model():
+    """Two layers in a model: nnx.capture gives each its own aux under its path."""
+    class Two(nnx.Module):
+        def __init__(self):
+            self.a, self.b = make_nnx("mixtral"), make_nnx("qwen3")
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Two()
+    x = random_float((5, H), jnp.float32)
+    y, inter = nnx.capture(model, nnx.Intermediate)(x)
+    close(y, model(x))
+    h = model.a(x)
+    for path, name, inp in (("a", "mixtral", x), ("b", "qwen3", h)):
+        sown = {k: v.get_value()[0] for k, v in inter[path].items()}
+        check_aux(sown, reference_aux(nnx_params(getattr(model, path)), inp, CONFIGS[name]), 5)
 
 
 def test_nnx_router_bias_update():
