@@ -77,7 +77,7 @@ ROUTER_CASES = [
     dict(T=33, E=129, K=129, dtype=jnp.bfloat16),  # K = E, five experts per lane
     dict(T=9, E=60, K=6, scoring="sigmoid", with_bias=True, renormalize=False, routed_scaling_factor=2.5),
     dict(T=70, E=256, K=8, scoring="sigmoid", with_bias=True, num_groups=8, topk_groups=4),  # DeepSeek-V3
-    dict(T=5, E=1024, K=4, dtype=jnp.float16, num_groups=1024, topk_groups=3),  # largest E and staging
+    dict(T=5, E=1024, K=3, dtype=jnp.float16, num_groups=1024, topk_groups=3),  # largest E and staging
 ]
 
 
