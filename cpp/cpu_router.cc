@@ -36,9 +36,10 @@ void route_row(const RouterArgs& a, const L* logits, const float* bias, float* w
   if (a.scoring == Scoring::kSoftmax) {
     float peak = -std::numeric_limits<float>::infinity();
     for (int32_t e = 0; e < E; ++e) peak = std::max(peak, score[e]);
-    float sum = 0.0f;
+    // Summed in double and rounded once: within half an ulp, whatever order XLA's sum takes.
+    double sum = 0.0;
     for (int32_t e = 0; e < E; ++e) sum += (score[e] = std::exp(score[e] - peak));
-    const float inverse = 1.0f / sum;
+    const float inverse = 1.0f / static_cast<float>(sum);
     for (int32_t e = 0; e < E; ++e) score[e] *= inverse;
   } else {
     for (int32_t e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-score[e]));
@@ -75,10 +76,10 @@ void route_row(const RouterArgs& a, const L* logits, const float* bias, float* w
     order[e] = e;
   }
   std::partial_sort(order, order + K, order + E, [&](int32_t x, int32_t y) { return ranks_before(key, x, y); });
-  float sum = 0.0f;
+  double sum = 0.0;
   for (int32_t k = 0; k < K; ++k) sum += score[order[k]];
   // DeepSeek-V3 adds 1e-20 to the sigmoid sum (its scores can all be tiny); softmax ones cannot.
-  const float denominator = sum + (a.scoring == Scoring::kSigmoid ? 1e-20f : 0.0f);
+  const float denominator = static_cast<float>(sum) + (a.scoring == Scoring::kSigmoid ? 1e-20f : 0.0f);
   for (int32_t k = 0; k < K; ++k) {
     const float w = score[order[k]];
     weights[k] = (a.renormalize ? w / denominator : w) * a.scale;
