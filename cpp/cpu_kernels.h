@@ -1,5 +1,5 @@
-// CPU implementations of the four operations (see kernel_args.h for their contracts), one unit
-// per operation: cpu_permute.cc, cpu_unpermute.cc, cpu_scatter.cc, cpu_weight_grad.cc.
+// CPU implementations of the operations (see kernel_args.h for their contracts), one unit per
+// operation: cpu_permute.cc, cpu_unpermute.cc, cpu_scatter.cc, cpu_weight_grad.cc, cpu_router.cc.
 #pragma once
 
 #include <cstdint>
@@ -22,5 +22,6 @@ void permute(const PermuteArgs& a);
 void unpermute(const UnpermuteArgs& a, const ParallelFor& parallel);
 void scatter(const ScatterArgs& a, const ParallelFor& parallel);
 void weight_grad(const WeightGradArgs& a, const ParallelFor& parallel);
+void router(const RouterArgs& a, const ParallelFor& parallel);
 
 }  // namespace moe::cpu

@@ -1,6 +1,6 @@
 // CUDA implementations of the operations (see kernel_args.h for their contracts), one unit per
 // operation: permute.cu (which picks permute_small.cu, permute_tiled.cu or permute_sorted.cu),
-// unpermute.cu, scatter.cu, weight_grad.cu and unpermute_bwd.cu. Every launcher enqueues on
+// unpermute.cu, scatter.cu, weight_grad.cu, unpermute_bwd.cu and router.cu. Every launcher enqueues on
 // `stream`, never synchronises, and returns the first CUDA error.
 #pragma once
 
@@ -25,5 +25,8 @@ cudaError_t weight_grad(const WeightGradArgs& a, cudaStream_t stream);
 // unpermute's two cotangents from one read of each cotangent row. Workspace: a row-owner map.
 int64_t unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows);
 cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream);
+
+// route's choice and gates in one launch, a warp per token.
+cudaError_t router(const RouterArgs& a, cudaStream_t stream);
 
 }  // namespace moe::cuda

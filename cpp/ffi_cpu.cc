@@ -88,6 +88,18 @@ ffi::Error WeightGradCpu(ffi::ThreadPool pool, ffi::AnyBuffer ct, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error RouterCpu(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, int64_t top_k,
+                     int64_t scoring, int64_t renormalize, int64_t num_groups, int64_t topk_groups, int64_t has_bias,
+                     float scale, ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+  RouterArgs a;
+  if (auto err = decode_router(logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, has_bias, scale,
+                               *weights, *ids, &a);
+      !err.success())
+    return err;
+  cpu::router(a, parallel_on(pool));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -96,3 +108,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCpu, moe::UnpermuteCpu, moe::bind_unpe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeScatterCpu, moe::ScatterCpu, moe::bind_scatter(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGradCpu, moe::WeightGradCpu,
                               moe::bind_weight_grad(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterCpu, moe::RouterCpu, moe::bind_router(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

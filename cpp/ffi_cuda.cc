@@ -75,6 +75,17 @@ ffi::Error UnpermuteBwdCuda(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuff
   return cuda_error(cuda::unpermute_bwd(a, stream), "unpermute_bwd");
 }
 
+ffi::Error RouterCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, int64_t top_k,
+                      int64_t scoring, int64_t renormalize, int64_t num_groups, int64_t topk_groups, int64_t has_bias,
+                      float scale, ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+  RouterArgs a;
+  if (auto err = decode_router(logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, has_bias, scale,
+                               *weights, *ids, &a);
+      !err.success())
+    return err;
+  return cuda_error(cuda::router(a, stream), "router");
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -89,4 +100,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeScatterCuda, moe::ScatterCuda, MOE_CUDA_BINDING
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGradCuda, moe::WeightGradCuda, MOE_CUDA_BINDING(moe::bind_weight_grad),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteBwdCuda, moe::UnpermuteBwdCuda, MOE_CUDA_BINDING(moe::bind_unpermute_bwd),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterCuda, moe::RouterCuda, MOE_CUDA_BINDING(moe::bind_router),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -236,7 +236,51 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
 
 #undef MOE_STRIDE
 
-// The argument lists of the four handlers, after any platform context.
+inline ffi::Error decode_router(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, int64_t top_k, int64_t scoring,
+                                int64_t renormalize, int64_t num_groups, int64_t topk_groups, int64_t has_bias,
+                                float scale, ffi::Buffer<ffi::F32> weights, I32Buffer ids, RouterArgs* a) {
+  if (logits.dimensions().size() != 2 || bias.dimensions().size() != 2 || weights.dimensions().size() != 2 ||
+      ids.dimensions().size() != 2)
+    return invalid("router expects logits [T,E], bias [1 or T,E], weights and ids [T,K]");
+  const int64_t T = logits.dimensions()[0], E = logits.dimensions()[1];
+  auto dtype = float_dtype(logits.element_type());
+  if (!dtype || *dtype == Dtype::kF8E4M3FN || *dtype == Dtype::kF8E5M2)
+    return invalid("router: logits must be float32, bfloat16 or float16");
+  if (E < 1 || E > kRouterMaxExperts)
+    return invalid("router: the number of experts (" + std::to_string(E) + ") must be in [1, " +
+                   std::to_string(kRouterMaxExperts) + "]");
+  if (top_k < 1 || top_k > E) return invalid("router: top_k must be in [1, E]");
+  if (scoring != static_cast<int64_t>(Scoring::kSoftmax) && scoring != static_cast<int64_t>(Scoring::kSigmoid))
+    return invalid("router: unknown scoring");
+  if (num_groups != 0 &&
+      (num_groups < 1 || E % num_groups != 0 || topk_groups < 1 || topk_groups > num_groups ||
+       top_k > topk_groups * (E / num_groups)))
+    return invalid("router: num_groups must divide E, 1 <= topk_groups <= num_groups and top_k <= the experts of "
+                   "the topk_groups best groups");
+  if (has_bias && (bias.dimensions()[1] != E || (bias.dimensions()[0] != 1 && bias.dimensions()[0] != T)))
+    return invalid("router: bias is not [1 or T, E]");
+  if (weights.dimensions()[0] != T || weights.dimensions()[1] != top_k || ids.dimensions()[0] != T ||
+      ids.dimensions()[1] != top_k)
+    return invalid("router: weights and ids must be [T, top_k]");
+  *a = RouterArgs{};
+  a->logits = logits.untyped_data();
+  a->logits_dtype = *dtype;
+  a->bias = has_bias ? bias.typed_data() : nullptr;
+  a->bias_rstride = has_bias && bias.dimensions()[0] != 1 ? E : 0;
+  a->tokens = T;
+  a->experts = E;
+  a->topk = top_k;
+  a->scoring = static_cast<Scoring>(scoring);
+  a->renormalize = renormalize != 0;
+  a->num_groups = num_groups;
+  a->topk_groups = topk_groups;
+  a->scale = scale;
+  a->weights = weights.typed_data();
+  a->ids = ids.typed_data();
+  return ffi::Error::Success();
+}
+
+// The argument lists of the handlers, after any platform context.
 template <typename B>
 auto bind_permute(B b) {
   return std::move(b)
@@ -293,6 +337,22 @@ auto bind_unpermute_bwd(B b) {
       .template Ret<ffi::AnyBuffer>()   // cotangent of expert_out
       .template Ret<ffi::AnyBuffer>()   // cotangent of the weights
       .template Ret<ffi::AnyBuffer>();  // workspace
+}
+
+template <typename B>
+auto bind_router(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()           // logits
+      .template Arg<ffi::Buffer<ffi::F32>>()    // bias
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("scoring")
+      .template Attr<int64_t>("renormalize")
+      .template Attr<int64_t>("num_groups")
+      .template Attr<int64_t>("topk_groups")
+      .template Attr<int64_t>("has_bias")
+      .template Attr<float>("scale")
+      .template Ret<ffi::Buffer<ffi::F32>>()    // weights
+      .template Ret<I32Buffer>();               // ids
 }
 
 }  // namespace moe

@@ -71,4 +71,23 @@ struct UnpermuteBwdArgs {
   void* workspace; int64_t workspace_bytes;
 };
 
+// route's choice and gates, one token (row) at a time: scores = softmax or sigmoid of the logits
+// in float32; choice = scores + bias, restricted to the topk_groups best of num_groups equal
+// groups (a group scored by the sum of its two best choice values) when num_groups > 0; ids = the
+// top-k of the choice (larger first, equal values in ascending expert order, -0.0 below +0.0);
+// weights = the scores of ids, divided by their sum (+1e-20 for sigmoid) when renormalize, times
+// scale.
+enum class Scoring : int32_t { kSoftmax = 0, kSigmoid = 1 };
+constexpr int64_t kRouterMaxExperts = 1024;  // the kernels hold a row on the stack / in registers
+
+struct RouterArgs {
+  const void* logits; Dtype logits_dtype;               // [T, E] float32, bfloat16 or float16
+  const float* bias; int64_t bias_rstride;              // [1 or T, E]; null when absent
+  int64_t tokens, experts, topk;
+  Scoring scoring; bool renormalize;
+  int64_t num_groups, topk_groups;                      // num_groups 0: no groups
+  float scale;
+  float* weights; int32_t* ids;                         // [T, K]
+};
+
 }  // namespace moe

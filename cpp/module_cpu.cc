@@ -16,6 +16,7 @@ NB_MODULE(_cpu, m) {
     d["unpermute"] = moe::capsule(MoeUnpermuteCpu);
     d["scatter"] = moe::capsule(MoeScatterCpu);
     d["weight_grad"] = moe::capsule(MoeWeightGradCpu);
+    d["router"] = moe::capsule(MoeRouterCpu);
     return d;
   });
   m.def("permute_workspace_bytes", [](int64_t batch, int64_t entries, int64_t num_local) {

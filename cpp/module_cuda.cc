@@ -33,6 +33,7 @@ NB_MODULE(_cuda, m) {
     d["scatter"] = moe::capsule(MoeScatterCuda);
     d["weight_grad"] = moe::capsule(MoeWeightGradCuda);
     d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);
+    d["router"] = moe::capsule(MoeRouterCuda);
 #ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
     d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);

@@ -93,3 +93,51 @@ def moe_unpermute(expert_out, row_map, topk_weights=None, *, out_dtype=None):
     w = jnp.ones(row_map.shape, jnp.float32) if topk_weights is None else topk_weights.astype(jnp.float32)
     out = jnp.sum(jnp.where(valid[..., None], rows * w[..., None], 0.0), axis=1)
     return out.astype(out_dtype or expert_out.dtype)
+
+
+# ---- routing: route's choice and gates --------------------------------------------------------
+
+def router_scores(logits: jax.Array, scoring: str) -> jax.Array:
+    """[T, E] float32 scores of float32 logits: softmax over the experts, or the sigmoid."""
+    return jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+
+
+def group_mask(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """[T, E] bool: experts in the topk_groups best groups, a group scored by the sum of its
+    two best selection scores (DeepSeek-V3's node-limited routing)."""
+    T, E = choice.shape
+    grouped = choice.reshape(T, num_groups, E // num_groups)
+    best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
+    _, top_groups = jax.lax.top_k(best.sum(-1), topk_groups)
+    keep = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
+    return jnp.repeat(keep, E // num_groups, axis=1)
+
+
+def route_weights(logits, ids, *, scoring="softmax", renormalize=True, routed_scaling_factor=1.0):
+    """route's gates of the chosen `ids` [T, K]: differentiable in `logits` [T, E] (any float
+    dtype, computed on in float32); the choice itself carries no gradient."""
+    scores = router_scores(logits.astype(jnp.float32), scoring)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        # DeepSeek-V3 adds 1e-20 (sigmoid scores can all be tiny); softmax ones cannot.
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * jnp.float32(routed_scaling_factor)
+
+
+def route_topk(logits, top_k, *, scoring="softmax", renormalize=True, bias=None, num_groups=None,
+               topk_groups=None, routed_scaling_factor=1.0):
+    """route's choice and gates in plain jnp (what the router kernel computes in one launch).
+
+    logits [T, E] any float dtype; bias None, [E] or [T, E] (per token); returns (weights
+    [T, K] float32, ids [T, K] int32). Arguments as `jax_moe_permute.route`, unchecked."""
+    logits = logits.astype(jnp.float32)
+    choice = jax.lax.stop_gradient(router_scores(logits, scoring))
+    if bias is not None:
+        choice = choice + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if num_groups is not None:
+        choice = jnp.where(group_mask(choice, num_groups, topk_groups), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    ids = ids.astype(jnp.int32)
+    weights = route_weights(logits, ids, scoring=scoring, renormalize=renormalize,
+                            routed_scaling_factor=routed_scaling_factor)
+    return weights, ids

@@ -3,6 +3,11 @@ bias and expert groups (DeepSeek-V3), plus the router's auxiliary losses.
 
 All router math runs in float32 whatever the logits' dtype: top-k choices and the balancing
 losses are sensitive to rounding, and the router is a negligible share of the layer's work.
+
+The choice and gates run as one kernel launch where it is built (CPU and CUDA, up to
+router_kernel.MAX_EXPERTS experts; router_kernel.py), the same jnp math as `reference_route`
+elsewhere. The auxiliary values are jnp from the logits and ids, so XLA drops them from programs
+that do not use them.
 """
 
 from __future__ import annotations
@@ -12,9 +17,14 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from . import reference, router_kernel
 from .ops import static_int
 
 SCORINGS = ("softmax", "sigmoid")
+
+# route takes the fused router kernel for T <= FUSED_ROUTE_MAX_TOKENS tokens (None: any T) and
+# E <= router_kernel.MAX_EXPERTS experts, the jnp math otherwise; read at trace time.
+FUSED_ROUTE_MAX_TOKENS: Optional[int] = None
 
 
 class RouterAux(NamedTuple):
@@ -68,15 +78,16 @@ def check_routing_args(num_experts: int, top_k: int, scoring: str, num_groups, t
                              f"best groups ({topk_groups * (num_experts // num_groups)})")
 
 
-def _group_mask(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
-    """[T, E] bool: experts in the topk_groups best groups, a group scored by the sum of its
-    two best selection scores (DeepSeek-V3's node-limited routing)."""
-    T, E = choice.shape
-    grouped = choice.reshape(T, num_groups, E // num_groups)
-    best = jax.lax.top_k(grouped, min(2, E // num_groups))[0]
-    _, top_groups = jax.lax.top_k(best.sum(-1), topk_groups)
-    keep = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
-    return jnp.repeat(keep, E // num_groups, axis=1)
+def _check_route_args(logits, top_k, scoring, bias, num_groups, topk_groups) -> None:
+    if not hasattr(logits, "shape") or logits.ndim != 2:
+        raise ValueError(f"route: logits must have shape [T, E], got {getattr(logits, 'shape', type(logits))}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise TypeError(f"route: logits must have a float dtype, got {jnp.dtype(logits.dtype).name}")
+    E = logits.shape[1]
+    check_routing_args(E, top_k, scoring, num_groups, topk_groups)
+    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
+        raise ValueError(f"route: bias must have shape [{E}] (the number of experts), "
+                         f"got {getattr(bias, 'shape', type(bias))}")
 
 
 def route(
@@ -107,43 +118,51 @@ def route(
 
     Returns Routing(weights [T, K] float32, ids [T, K] int32, aux RouterAux).
     """
-    if not hasattr(logits, "shape") or logits.ndim != 2:
-        raise ValueError(f"route: logits must have shape [T, E], got {getattr(logits, 'shape', type(logits))}")
-    if not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise TypeError(f"route: logits must have a float dtype, got {jnp.dtype(logits.dtype).name}")
+    _check_route_args(logits, top_k, scoring, bias, num_groups, topk_groups)
     T, E = logits.shape
-    check_routing_args(E, top_k, scoring, num_groups, topk_groups)
-    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
-        raise ValueError(f"route: bias must have shape [{E}] (the number of experts), "
-                         f"got {getattr(bias, 'shape', type(bias))}")
+    fused = (E <= router_kernel.MAX_EXPERTS
+             and (FUSED_ROUTE_MAX_TOKENS is None or T <= FUSED_ROUTE_MAX_TOKENS))
+    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, fused)
 
-    logits = logits.astype(jnp.float32)
-    if scoring == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-        probs = scores
+
+def reference_route(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    bias: Optional[jax.Array] = None,
+    num_groups: Optional[int] = None,
+    topk_groups: Optional[int] = None,
+    routed_scaling_factor: float = 1.0,
+) -> Routing:
+    """`route` in plain jnp (softmax / sigmoid, top_k, gates as separate XLA ops): what the router
+    kernel must reproduce, and the path for more experts than it holds."""
+    _check_route_args(logits, top_k, scoring, bias, num_groups, topk_groups)
+    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, False)
+
+
+def _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor,
+           fused: bool) -> Routing:
+    T, E = logits.shape
+    kw = dict(scoring=scoring, renormalize=renormalize, num_groups=num_groups, topk_groups=topk_groups,
+              routed_scaling_factor=routed_scaling_factor)
+    if fused:
+        weights, ids = router_kernel.router(logits, bias, top_k, **kw)
     else:
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    # The choice is not differentiated: gradients reach the router through the weights.
-    choice = jax.lax.stop_gradient(scores)
-    if bias is not None:
-        choice = choice + jax.lax.stop_gradient(bias).astype(jnp.float32)
-    if num_groups is not None:
-        choice = jnp.where(_group_mask(choice, num_groups, topk_groups), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, top_k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if renormalize:
-        # DeepSeek-V3 adds 1e-20 (sigmoid scores can all be tiny); softmax ones cannot.
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
-    weights = weights * jnp.float32(routed_scaling_factor)
+        weights, ids = reference.route_topk(logits, top_k, bias=bias, **kw)
 
+    # The aux values, from the logits and ids: dead code unless a caller uses them.
+    logits = logits.astype(jnp.float32)
+    scores = reference.router_scores(logits, scoring)
+    probs = scores if scoring == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
     counts = jnp.zeros(E, jnp.int32).at[ids.reshape(-1)].add(1)
     tokens = max(T, 1)  # T = 0: zero losses rather than 0/0
     fraction = jax.lax.stop_gradient(counts.astype(jnp.float32)) / tokens
     mean_prob = jnp.sum(probs, axis=0) / tokens
     load_balance = E * jnp.sum(fraction * mean_prob)
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
-    return Routing(weights, ids.astype(jnp.int32), RouterAux(load_balance, z_loss, counts))
+    return Routing(weights, ids, RouterAux(load_balance, z_loss, counts))
 
 
 def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3) -> jax.Array:

@@ -1,7 +1,7 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
 odd H, expert_map, align_size, every permute path (warp-routed, counted, ranked in one launch,
-tiled, radix sort), forward and backward, and unpermute's backward on a row map with shared
-rows."""
+tiled, radix sort), forward and backward, unpermute's backward on a row map with shared
+rows, and the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap)."""
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,27 @@ def run_shared_rows(T=40, R=30, H=24, K=3):
     return [np.asarray(g).shape for g in grads]
 
 
+def run_router(T, E, K, dtype=jnp.float32, seed=0, **kw):
+    """route's kernel forward and its gradient (the JVP is jnp; the forward runs the kernel again)."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    logits = (jax.random.normal(k[0], (T, E)) * 2).astype(dtype)
+    if kw.pop("with_bias", False):
+        kw["bias"] = jax.random.normal(k[1], (E,)) * 0.3
+    r = jax.jit(lambda z: jmp.route(z, K, **kw)[:2])(logits)
+    grad = jax.jit(jax.grad(lambda z: jnp.sum(jmp.route(z, K, **kw).weights ** 2)))(logits)
+    return [np.asarray(x).shape for x in (*r, grad)]
+
+
+ROUTER_CASES = [
+    dict(T=0, E=8, K=2),
+    dict(T=1, E=7, K=3, scoring="sigmoid"),
+    dict(T=33, E=129, K=129, dtype=jnp.bfloat16),  # K = E, five experts per lane
+    dict(T=9, E=60, K=6, scoring="sigmoid", with_bias=True, renormalize=False, routed_scaling_factor=2.5),
+    dict(T=70, E=256, K=8, scoring="sigmoid", with_bias=True, num_groups=8, topk_groups=4),  # DeepSeek-V3
+    dict(T=5, E=1024, K=3, dtype=jnp.float16, num_groups=1024, topk_groups=3),  # largest E and staging
+]
+
+
 if __name__ == "__main__":
     for case in CASES:
         print(case, run(**case))
@@ -73,4 +94,9 @@ if __name__ == "__main__":
         vmapped = jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))
         jax.block_until_ready(vmapped(h, ids))
         jax.block_until_ready(vmapped(h[:, :3], ids[:, :3]))
+    for case in ROUTER_CASES:
+        print("router", case, run_router(**case))
+    vmapped_router = jax.jit(jax.vmap(lambda z, b: jmp.route(z, 2, scoring="sigmoid", bias=b)[:2]))
+    jax.block_until_ready(vmapped_router(jax.random.normal(jax.random.PRNGKey(4), (3, 11, 12)),
+                                         jax.random.normal(jax.random.PRNGKey(5), (3, 12))))
     print("SANITIZE CASES DONE")

@@ -8,11 +8,13 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_moe_permute as jmp
+from jax_moe_permute import routing
 from conftest import random_float
 
 # Jitted: one compile per configuration instead of one per eager op (CI has two cores).
-route = jax.jit(jmp.route, static_argnums=1, static_argnames=("scoring", "renormalize", "num_groups", "topk_groups",
-                                                               "routed_scaling_factor"))
+STATIC = ("scoring", "renormalize", "num_groups", "topk_groups", "routed_scaling_factor")
+route = jax.jit(jmp.route, static_argnums=1, static_argnames=STATIC)  # the router kernel where it is built
+reference_route = jax.jit(routing.reference_route, static_argnums=1, static_argnames=STATIC)  # separate XLA ops
 
 
 def np_softmax_route(logits, K, renormalize):
@@ -47,9 +49,10 @@ def np_deepseek_route(logits, K, bias, n_group, topk_group, renormalize, scale):
 @pytest.mark.parametrize("T,E,K,dtype,renormalize", [
     (1, 8, 2, jnp.float32, True), (37, 8, 2, jnp.bfloat16, False), (20, 128, 8, jnp.float32, False),
     (20, 128, 8, jnp.float32, True), (5, 3, 3, jnp.bfloat16, True), (4, 1, 1, jnp.float32, False)])
-def test_softmax_matches_hf(T, E, K, dtype, renormalize):
+@pytest.mark.parametrize("impl", ["kernel", "jnp"])
+def test_softmax_matches_hf(T, E, K, dtype, renormalize, impl):
     logits = random_float((T, E), dtype, scale=2.0)
-    r = route(logits, K, renormalize=renormalize)
+    r = (route if impl == "kernel" else reference_route)(logits, K, renormalize=renormalize)
     w, ids = np_softmax_route(np.asarray(logits.astype(jnp.float32)), K, renormalize)
     assert r.weights.dtype == jnp.float32 and r.ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(r.ids), ids)
@@ -57,12 +60,13 @@ def test_softmax_matches_hf(T, E, K, dtype, renormalize):
 
 
 @pytest.mark.parametrize("E,K,groups,topk_groups", [(16, 4, 4, 2), (32, 8, 8, 4), (8, 2, 1, 1), (12, 3, 6, 3)])
-def test_sigmoid_groups_bias_match_deepseek(E, K, groups, topk_groups):
+@pytest.mark.parametrize("impl", ["kernel", "jnp"])
+def test_sigmoid_groups_bias_match_deepseek(E, K, groups, topk_groups, impl):
     renormalize = E % 8 == 0  # both settings across the cases
     T = 29
     logits = random_float((T, E), jnp.float32, scale=2.0)
     bias = random_float((E,), jnp.float32, scale=0.3)
-    r = route(logits, K, scoring="sigmoid", bias=bias, num_groups=groups, topk_groups=topk_groups,
+    r = (route if impl == "kernel" else reference_route)(logits, K, scoring="sigmoid", bias=bias, num_groups=groups, topk_groups=topk_groups,
                   renormalize=renormalize, routed_scaling_factor=2.5)
     w, ids = np_deepseek_route(np.asarray(logits), K, np.asarray(bias), groups, topk_groups, renormalize, 2.5)
     np.testing.assert_array_equal(np.asarray(r.ids), ids)

@@ -1,0 +1,138 @@
+"""The router primitive: route's choice and gates (softmax or sigmoid, selection bias, group-limited
+choice, top-k, renormalisation, scale) as one kernel launch, with its abstract evaluation, lowerings,
+batching and autodiff rules.
+
+  moe_router  (logits [T, E], bias [1 or T, E]) -> (weights [T, K] float32, ids [T, K] int32)
+
+It computes `reference.route_topk` (the jnp math it replaces): ids are the top-k of the choice
+with top_k's tie order, weights the scores of those ids. Routing is row-wise, so T is the batch
+axis here: vmap folds its axis into T and sharded jit partitions along T. On CPU and CUDA it is
+our kernel (E <= MAX_EXPERTS); elsewhere the jnp math. Its JVP is the jnp gates' tangent with the
+ids held fixed: gradients reach the router through the weights, the choice is not differentiated.
+The absent bias is a [1, 1] placeholder flagged by has_bias.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _native, reference
+from ._compat import lowers_for_many_devices, pvary_to_match, require_devices_at_lowering, shaped_like
+from .lowering import _batch_partitioned
+
+# The kernels hold a token's E scores in registers / on the stack (kRouterMaxExperts in
+# cpp/kernel_args.h); route keeps the jnp math for more experts.
+MAX_EXPERTS = 1024
+KERNEL_LOGIT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
+_SCORING_CODES = {"softmax": 0, "sigmoid": 1}
+
+router_p = Primitive("moe_router")
+router_p.multiple_results = True
+_PARAMS = ("top_k", "scoring", "renormalize", "num_groups", "topk_groups", "scale", "has_bias")
+router_p.def_impl(jax.jit(router_p.bind, static_argnames=_PARAMS))
+
+
+def router(logits, bias, top_k: int, *, scoring: str, renormalize: bool, num_groups, topk_groups,
+           routed_scaling_factor: float):
+    """(weights [T, K] float32, ids [T, K] int32) of logits [T, E] (any float dtype) and bias
+    None or [E], arguments as `route` (checked there)."""
+    E = logits.shape[1]
+    if jnp.dtype(logits.dtype) not in KERNEL_LOGIT_DTYPES:
+        logits = logits.astype(jnp.float32)
+    has_bias = bias is not None
+    bias = (jax.lax.stop_gradient(bias).astype(jnp.float32).reshape(1, E) if has_bias
+            else jnp.zeros((1, 1), jnp.float32))
+    weights, ids = router_p.bind(*pvary_to_match(logits, bias), top_k=int(top_k), scoring=scoring,
+                                 renormalize=bool(renormalize), num_groups=int(num_groups or 0),
+                                 topk_groups=int(topk_groups or 0), scale=float(routed_scaling_factor),
+                                 has_bias=has_bias)
+    return weights, ids
+
+
+# ---- abstract evaluation ----------------------------------------------------------------------
+
+def _abstract(logits, bias, *, top_k, scoring, renormalize, num_groups, topk_groups, scale, has_bias):
+    T, E = logits.shape
+    if has_bias and (bias.shape[1] != E or bias.shape[0] not in (1, T)):
+        raise ValueError(f"moe_router: bias must have shape [1 or {T}, {E}], got {tuple(bias.shape)}")
+    avals = (logits, bias)
+    return [shaped_like(avals, (T, top_k), jnp.float32), shaped_like(avals, (T, top_k), jnp.int32)]
+
+
+# ---- lowering ---------------------------------------------------------------------------------
+
+def _reference(logits, bias, *, top_k, scoring, renormalize, num_groups, topk_groups, scale, has_bias):
+    return list(reference.route_topk(logits, top_k, scoring=scoring, renormalize=renormalize,
+                                     bias=bias if has_bias else None, num_groups=num_groups or None,
+                                     topk_groups=topk_groups or None, routed_scaling_factor=scale))
+
+
+def _kernel_rule(ctx, logits, bias, *, top_k, scoring, renormalize, num_groups, topk_groups, scale, has_bias):
+    out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
+
+    def call(z, b):
+        T = z.shape[0]  # the local extent when the call is partitioned
+        types = [jax.ShapeDtypeStruct((T,) + t.shape[1:], t.dtype) for t in out_types]
+        return tuple(jax.ffi.ffi_call(_native.target("router"), types)(
+            z, b, top_k=np.int64(top_k), scoring=np.int64(_SCORING_CODES[scoring]),
+            renormalize=np.int64(renormalize), num_groups=np.int64(num_groups), topk_groups=np.int64(topk_groups),
+            has_bias=np.int64(has_bias), scale=np.float32(scale)))
+
+    fn = call
+    if lowers_for_many_devices(ctx):  # split along T, the bias replicated unless per token
+        fn = _batch_partitioned(call, ctx.avals_in, ctx.avals_out)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, logits, bias)
+
+
+# ---- batching: a vmapped axis folds into T ----------------------------------------------------
+
+def _batch(args, dims, **params):
+    logits, bias = args
+    logits_dim, bias_dim = dims
+    if not params["has_bias"]:  # the placeholder: any example's will do
+        bias, bias_dim = (bias if bias_dim is None else jnp.take(bias, 0, axis=bias_dim)), None
+        if logits_dim is None:
+            return router_p.bind(logits, bias, **params), [None, None]
+    V = logits.shape[logits_dim] if logits_dim is not None else bias.shape[bias_dim]
+    T, E = logits.shape[1:] if logits_dim is not None else logits.shape
+    logits = (jnp.moveaxis(logits, logits_dim, 0) if logits_dim is not None
+              else jnp.broadcast_to(logits, (V, T, E))).reshape(V * T, E)
+    if bias_dim is not None:  # one bias row per (example, token)
+        bias = jnp.moveaxis(bias, bias_dim, 0)
+        bias = jnp.broadcast_to(bias, (V, T, E)).reshape(V * T, E)
+    elif bias.shape[0] != 1:  # per token, shared by the examples
+        bias = jnp.broadcast_to(bias[None], (V, T, E)).reshape(V * T, E)
+    weights, ids = router_p.bind(logits, bias, **params)
+    K = params["top_k"]
+    return [weights.reshape(V, T, K), ids.reshape(V, T, K)], [0, 0]
+
+
+# ---- autodiff: the jnp gates' tangent, ids held fixed -----------------------------------------
+
+def _jvp(primals, tangents, *, top_k, scoring, renormalize, num_groups, topk_groups, scale, has_bias):
+    logits, bias = primals
+    weights, ids = router_p.bind(logits, bias, top_k=top_k, scoring=scoring, renormalize=renormalize,
+                                 num_groups=num_groups, topk_groups=topk_groups, scale=scale, has_bias=has_bias)
+    d_logits = tangents[0]
+    ids_tangent = ad.Zero(core.ShapedArray(ids.shape, jax.dtypes.float0))
+    if type(d_logits) is ad.Zero:  # the bias steers the choice only: no tangent through it
+        return [weights, ids], [ad.Zero(core.ShapedArray(weights.shape, weights.dtype)), ids_tangent]
+    gates = lambda z: reference.route_weights(z, ids, scoring=scoring, renormalize=renormalize,
+                                              routed_scaling_factor=scale)
+    _, d_weights = jax.jvp(gates, (logits,), (d_logits,))
+    return [weights, ids], [d_weights, ids_tangent]
+
+
+router_p.def_abstract_eval(_abstract)
+mlir.register_lowering(router_p, mlir.lower_fun(_reference, multiple_results=True))
+for _platform in _native.platforms():
+    if _native.has_target(_platform, "router"):
+        mlir.register_lowering(router_p, _kernel_rule, platform=_platform)
+batching.primitive_batchers[router_p] = _batch
+ad.primitive_jvps[router_p] = _jvp
+require_devices_at_lowering(router_p)
