@@ -301,7 +301,7 @@ int decode_splits(const GroupedGemmArgs& a) {
   // One wave of resident blocks when every slot has a group: a block's fixed costs (finding its
   // group, the sums across warps) are paid once and its loads stay in flight for longer.
   const int64_t blocks = std::max<int64_t>(1, std::min(a.groups, a.rows) * ((a.n + kStrip - 1) / kStrip) * a.batch);
-  const int64_t want = kBlocksPerSm * int64_t(sm_count()) / blocks;
+  const int64_t want = std::max<int64_t>(1, kBlocksPerSm * int64_t(sm_count()) / blocks);
   return int(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, std::min<int64_t>(64, a.k / kMinSplitRows))));
 }
 

@@ -161,20 +161,7 @@ def routed_experts(model: DecodeModel, params: dict, xs) -> list[list[int]]:
     """For each x of xs, the distinct experts each layer of ours routes it to (the experts whose
     weights the step reads): [input][layer]."""
     block = moe_block("ours", model)
-    L = params["router"].shape[0]
-
-    # The ids ride in the carry: a scan that stacks them as outputs made XLA copy the stacked
-    # weights (56 GiB more for Mixtral's).
-    def one_layer(carry, p):
-        x, ids, l = carry
-        x, layer_ids = block(x, p)
-        return (x, jax.lax.dynamic_update_index_in_dim(ids, layer_ids, l, 0), l + 1), None
-
-    def routing(x, params):
-        ids = jnp.zeros((L, x.shape[0], model.top_k), jnp.int32)
-        return jax.lax.scan(one_layer, (x, ids, 0), params)[0][1]  # [L, T, K]
-
-    routing = jax.jit(routing)
+    routing = jax.jit(lambda x, params: jax.lax.scan(block, x, params)[1])  # [L, T, K] ids
     return [[int(np.unique(ids).size) for ids in np.asarray(routing(x, params))] for x in xs]
 
 

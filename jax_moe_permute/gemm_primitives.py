@@ -135,9 +135,10 @@ def _ffi_call(ctx, target, layout, args, **attributes):
 
 
 # The forward GEMM runs on the decode kernel (CUDA cores streaming each routed matrix, split along
-# its rows; graph-safe) while groups average at most this many rows, on CUTLASS's tiles above
-# (measured on the H200: BENCHMARKS.md, "Decode").
-DECODE_ROWS_PER_GROUP = 1
+# its rows; graph-safe) while there are at most this many rows per group (Qwen3 and DeepSeek-V3 at
+# T = 1: measured faster there), on CUTLASS's tiles above (faster from half a row per group, Qwen3
+# at T = 8; BENCHMARKS.md, "Decode").
+DECODE_ROWS_PER_GROUP = 0.25
 _MAX_GRID_Y = 65535
 
 

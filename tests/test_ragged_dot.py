@@ -354,7 +354,7 @@ def test_decode_kernel(dtype, G, M, K, N, sizes, monkeypatch):
 def test_decode_kernel_vmap_and_default_choice(monkeypatch):
     """A vmapped decode call (batched sizes, shared rhs: batch strides 0) chosen by the default
     rule, equal to a CUTLASS tile's result to rounding; dW has no decode kernel."""
-    V, M, K, N, G = 3, 12, 1024, 320, 8
+    V, M, K, N, G = 3, 6, 1024, 320, 32
     lhs, rhs = random_float((V, M, K), jnp.bfloat16), random_float((G, K, N), jnp.bfloat16)
     sizes = jnp.stack([random_sizes(G, M) for _ in range(V)])
     call = lambda: jax.jit(jax.vmap(lambda a, b, s: jmp.ragged_dot(a, b, s), (0, None, 0)))
