@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import layer
-from .bench_timing import (copy_ceiling_tbps, device_us, jitted_copy_tbps, none_if_out_of_memory, on_gpu, progress,
-                           save_rows)
+from .bench_timing import (cell, copy_ceiling_tbps, device_us, jitted_copy_tbps, none_if_out_of_memory, on_gpu,
+                           progress, ratio, save_rows)
 from .routing import route
 
 OPS = ("decode",)
@@ -259,10 +259,6 @@ def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup:
     return out
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a / b
-
-
 def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: float, steps: int = 50,
                 warmup: int = 5, iterations: int = 20, with_reference: bool = True, unroll: int = 1) -> list[dict]:
     """One row per implementation of MODELS[name]'s decode step at T tokens."""
@@ -300,11 +296,6 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
     return rows
 
 
-def _cell(x, spec: str, missing: str = "-") -> str:
-    """x formatted, or `missing` right-aligned to the spec's width."""
-    return format(x, spec) if x is not None else missing.rjust(int(re.match(r"\d*", spec).group() or 0))
-
-
 HEADER = (f"{'model':12} {'T':>4} {'impl':8} {'L':>3} {'wall us':>10} {'dev us':>10} {'bound us':>9} "
           f"{'wall/bnd':>8} {'dev/bnd':>7} {'wall/jbnd':>9} {'dev/jbnd':>8} {'x JAX':>6} {'x JAX dev':>9} "
           f"{'temp MiB':>8} {'ccalls':>6} {'body':>5} {'cmdbuf':>6} {'loop cb':>7}")
@@ -314,12 +305,12 @@ def format_row(r) -> str:
     missing = {"ok": "-", "OOM": "OOM", "skipped": "skipped"}[r["status"]]
     temp = None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20
     loop_cb = "-" if r["loop_in_command_buffer"] is None else ("yes" if r["loop_in_command_buffer"] else "no")
-    return (f"{r['model']:12} {r['T']:>4} {r['impl']:8} {r['layers']:>3} {_cell(r['wall_us'], '10.1f', missing)} "
-            f"{_cell(r['device_us'], '10.1f', missing)} {r['bound_us']:9.1f} "
-            f"{_cell(r['wall_over_bound'], '8.2f')} {_cell(r['device_over_bound'], '7.2f')} "
-            f"{_cell(r['wall_over_jit_bound'], '9.2f')} {_cell(r['device_over_jit_bound'], '8.2f')} "
-            f"{_cell(r['speedup_wall'], '6.2f')} {_cell(r['speedup_device'], '9.2f')} {_cell(temp, '8.1f')} "
-            f"{_cell(r['custom_calls'], '6d')} {_cell(r['body_thunks'], '5d')} {_cell(r['command_buffers'], '6d')} "
+    return (f"{r['model']:12} {r['T']:>4} {r['impl']:8} {r['layers']:>3} {cell(r['wall_us'], '10.1f', missing)} "
+            f"{cell(r['device_us'], '10.1f', missing)} {r['bound_us']:9.1f} "
+            f"{cell(r['wall_over_bound'], '8.2f')} {cell(r['device_over_bound'], '7.2f')} "
+            f"{cell(r['wall_over_jit_bound'], '9.2f')} {cell(r['device_over_jit_bound'], '8.2f')} "
+            f"{cell(r['speedup_wall'], '6.2f')} {cell(r['speedup_device'], '9.2f')} {cell(temp, '8.1f')} "
+            f"{cell(r['custom_calls'], '6d')} {cell(r['body_thunks'], '5d')} {cell(r['command_buffers'], '6d')} "
             f"{loop_cb:>7}")
 
 

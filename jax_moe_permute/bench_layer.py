@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import layer, reference
-from .bench_timing import copy_ceiling_tbps, device_us_or_none, none_if_out_of_memory, on_gpu, progress, save_rows
+from .bench_timing import (cell, copy_ceiling_tbps, device_us_or_none, none_if_out_of_memory, on_gpu, progress, ratio,
+                           save_rows)
 from .grouped_gemm import ragged_dot
 from . import ops as jmp_ops
 from .routing import route
@@ -143,10 +144,6 @@ def weight_bytes(op: str, routed: int, E: int, H: int, F: int, itemsize: int) ->
     return routed * per_expert + (E * per_expert if op == "layer_bwd" else 0)
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a / b
-
-
 def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20, dtype=jnp.bfloat16,
                 split: bool = True, ref_split: bool = False, with_reference: bool = True):
     E, K, H, F = MODELS[model]
@@ -181,11 +178,6 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
     return rows
 
 
-def _cell(x: float | None, spec: str, missing: str = "-") -> str:
-    """x formatted, or `missing` right-aligned to the spec's width."""
-    return format(x, spec) if x is not None else missing.rjust(int(spec.split(".")[0] or 0))
-
-
 HEADER = (f"{'model':9} {'T':>6} {'op':10} {'us':>10} {'ref us':>10} {'dense us':>10} {'speed-up':>8} "
           f"{'TFLOP/s':>8} {'ref':>7} {'dense':>7} {'/bound':>7} {'non-GEMM':>8}  split (ours, us): "
           + " / ".join(STAGES))
@@ -197,15 +189,15 @@ def format_row(r) -> str:
     elif r["split_us"] is None:
         split = "OOM"
     else:
-        split = " / ".join(_cell(r["split_us"][s], ".1f", "OOM") for s in STAGES)
+        split = " / ".join(cell(r["split_us"][s], ".1f", "OOM") for s in STAGES)
     share = r.get("non_gemm_share")
-    return (f"{r['model']:9} {r['T']:>6} {r['op']:10} {_cell(r['us'], '10.1f', 'OOM')} "
-            f"{_cell(r['ref_us'], '10.1f', 'skipped' if r.get('ref_skipped') else 'OOM')} "
-            f"{_cell(r['dense_us'], '10.1f', 'OOM')} "
-            f"{_cell(r['speedup'], '7.2f')}{'x' if r['speedup'] is not None else ' '} "
-            f"{_cell(r['TFLOPs'], '8.1f')} {_cell(r['ref_TFLOPs'], '7.1f')} {_cell(r['dense_TFLOPs'], '7.1f')} "
-            f"{_cell(ratio(r['us'], r['weight_bound_us']), '7.2f')} "
-            f"{_cell(None if share is None else 100 * share, '7.1f')}{'%' if share is not None else ' '}  {split}")
+    return (f"{r['model']:9} {r['T']:>6} {r['op']:10} {cell(r['us'], '10.1f', 'OOM')} "
+            f"{cell(r['ref_us'], '10.1f', 'skipped' if r.get('ref_skipped') else 'OOM')} "
+            f"{cell(r['dense_us'], '10.1f', 'OOM')} "
+            f"{cell(r['speedup'], '7.2f')}{'x' if r['speedup'] is not None else ' '} "
+            f"{cell(r['TFLOPs'], '8.1f')} {cell(r['ref_TFLOPs'], '7.1f')} {cell(r['dense_TFLOPs'], '7.1f')} "
+            f"{cell(ratio(r['us'], r['weight_bound_us']), '7.2f')} "
+            f"{cell(None if share is None else 100 * share, '7.1f')}{'%' if share is not None else ' '}  {split}")
 
 
 def format_table(rows) -> str:

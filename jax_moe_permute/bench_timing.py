@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -190,6 +191,16 @@ def copy_ceiling_tbps(nbytes: int = 2**32) -> float:
         np.copyto(b, a)
         times.append(time.perf_counter() - start)
     return 2 * a.nbytes / statistics.median(times) / 1e12
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either is missing."""
+    return None if a is None or b is None else a / b
+
+
+def cell(x, spec: str, missing: str = "-") -> str:
+    """A table cell: x formatted, or `missing` right-aligned to the spec's width."""
+    return format(x, spec) if x is not None else missing.rjust(int(re.match(r"\d*", spec).group() or 0))
 
 
 def save_rows(rows, path: str) -> None:
