@@ -33,7 +33,7 @@ import numpy as np
 
 import jax_moe_permute as jmp
 
-from . import bench_decode, bench_gemm, bench_layer
+from . import bench_decode, bench_gemm, bench_layer, bench_memory
 from .bench_timing import (copy_ceiling_tbps, device_us, on_gpu, op_ceiling_tbps, progress, same_bytes_copy_tbps,
                            save_rows)
 
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     args, unknown = p.parse_known_args(argv)
 
     ops = args.ops.split(",")
-    for family in (bench_gemm, bench_layer, bench_decode):  # own grids, rows, tables and plots
+    for family in (bench_gemm, bench_layer, bench_memory, bench_decode):  # own grids, rows, tables and plots
         if set(ops) & set(family.OPS):
             if not set(ops) <= set(family.OPS):
                 p.error(f"{', '.join(family.OPS)} run on their own; ask for the other ops apart")

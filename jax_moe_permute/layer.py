@@ -4,12 +4,15 @@ routing.py."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from . import ops
+from jax.custom_derivatives import SymbolicZero
+
+from . import ops, primitives
 from .grouped_gemm import ragged_dot
 from .routing import check_routing_args
 
@@ -44,8 +47,11 @@ def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: 
     """Each group's MLP on its rows: rows [R, H] grouped by expert (group_sizes [L]), w_in
     [L, H, 2F] (gated) or [L, H, F], w_out [L, F, H'] -> [R, H']. This is the `expert_fn` that
     expert parallelism calls on a device's local experts."""
-    h = matmul(rows, w_in, group_sizes)
-    return matmul(apply_activation(h, activation), w_out, group_sizes)
+    gate_up = matmul(rows, w_in, group_sizes)
+    # The backward keeps gate_up (and the inputs) and recomputes the activation, instead of
+    # keeping the activation's output and its intermediates.
+    second = jax.checkpoint(lambda g, w: matmul(apply_activation(g, activation), w, group_sizes))
+    return second(gate_up, w_out)
 
 
 def check_expert_weights(w_in, w_out, hidden_size: int, activation: str, where: str = "moe_mlp") -> None:
@@ -106,9 +112,87 @@ def moe_mlp(
                              f"got {getattr(a, 'shape', type(a))}")
     if weights.shape != ids.shape:
         raise ValueError(f"moe_mlp: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must have equal shapes")
+    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map,
+                           activation, num_experts, num_local_experts)
+
+
+# What the backward keeps (the saved-residuals policy). A dense SwiGLU MLP under autodiff keeps
+# its input, both halves and silu's intermediates; the plain composition below would keep more:
+# the permuted rows [T*K, H], the expert outputs [T*K, H] (for the gates' gradient) and
+# activation intermediates. The JVP rule keeps x, the routing and the first GEMM's output
+# [T*K, 2F] only, and recomputes in the backward what is cheap: the permuted rows (one gather),
+# the activation, and h * w. The gates' gradient needs no expert outputs: with h' = w * h,
+# out = sum_k (h'_k @ w_out), so d w_k = <(d out) @ w_out^T, h_k>. The forward (what inference
+# runs) stays the plain composition; the tangent equals its derivative to rounding, and derivatives
+# of any order go through the same kernels.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
+def _routed_experts(x, weights, ids, w_in, w_out, expert_map, activation, num_experts, num_local_experts):
     res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
-    y = expert_mlp(res.hidden, res.group_sizes, w_in.astype(x.dtype), w_out.astype(x.dtype), activation)
+    y = expert_mlp(res.hidden, res.group_sizes, w_in, w_out, activation)
     return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
+
+
+def _to_rows(a, row_map, num_rows, dtype, weights=None):
+    """a [T, H'] -> [num_rows, H'] with row row_map[t,k] = weights[t,k] * a[t] (zeros elsewhere)."""
+    w = primitives.placeholder(3) if weights is None else weights[None]
+    out = primitives.scatter(a[None], row_map[None], w, num_rows, dtype, has_weights=weights is not None)
+    return out[0]
+
+
+def _weights_to_rows(weights, row_map, num_rows):
+    """The gates in row order, float32 [num_rows, 1] (zero on padding rows)."""
+    ones = jnp.ones((row_map.shape[0], 1), jnp.float32)
+    return _to_rows(ones, row_map, num_rows, jnp.float32, weights.astype(jnp.float32))
+
+
+def _live(t):
+    return not isinstance(t, SymbolicZero)
+
+
+@functools.partial(_routed_experts.defjvp, symbolic_zeros=True)
+def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tangents):
+    x, weights, ids, w_in, w_out, expert_map = primals
+    dx, dweights, _, dw_in, dw_out, _ = (t if _live(t) else None for t in tangents)
+    res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
+    rows, sizes, row_map = res.hidden, res.group_sizes, res.row_map
+    num_rows = rows.shape[0]
+    gate_up = ragged_dot(rows, w_in, sizes)
+    out = ops.moe_unpermute(ragged_dot(apply_activation(gate_up, activation), w_out, sizes), row_map, weights,
+                            out_dtype=x.dtype)
+    if dx is None and dweights is None and dw_in is None and dw_out is None:
+        return out, jnp.zeros_like(out)
+
+    d_gate_up = []
+    if dx is not None:
+        d_gate_up.append(ragged_dot(_to_rows(dx, row_map, num_rows, x.dtype), w_in, sizes))
+    if dw_in is not None:  # the rows are gathered again from x in the backward, not saved
+        d_gate_up.append(jax.checkpoint(
+            lambda x, dw: ragged_dot(_to_rows(x, row_map, num_rows, x.dtype), dw, sizes))(x, dw_in))
+    d_gate_up = sum(d_gate_up[1:], d_gate_up[0]) if d_gate_up else None
+    w_rows = _weights_to_rows(weights, row_map, num_rows)
+    dw_rows = None if dweights is None else _weights_to_rows(dweights, row_map, num_rows)
+
+    @jax.checkpoint  # keeps gate_up and w_rows; h and w * h are recomputed in the backward
+    def d_expert_out(gate_up, w_rows, d_gate_up, dw_rows, dw_out):
+        act = lambda g: apply_activation(g, activation)
+        terms, dh_weighted = [], None
+        if d_gate_up is not None:
+            h, dh = jax.jvp(act, (gate_up,), (d_gate_up,))
+            dh_weighted = w_rows * dh
+        else:
+            h = act(gate_up)
+        if dw_rows is not None:
+            dh_weighted = dw_rows * h if dh_weighted is None else dh_weighted + dw_rows * h
+        if dh_weighted is not None:
+            terms.append(ragged_dot(dh_weighted.astype(gate_up.dtype), w_out, sizes))
+        if dw_out is not None:
+            terms.append(ragged_dot((w_rows * h).astype(gate_up.dtype), dw_out, sizes))
+        return sum(terms[1:], terms[0])
+
+    d_y = d_expert_out(gate_up, w_rows, d_gate_up, dw_rows, dw_out)
+    return out, ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype)
 
 
 # The pieces the Flax modules share (they import flax; this file does not).

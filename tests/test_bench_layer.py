@@ -96,3 +96,17 @@ def test_table_and_plot_take_missing_splits(tmp_path):
     assert lines[0].endswith("OOM") and "OOM / " in lines[1] and "66.7%" in lines[2] and "2.00" in lines[3]
     if PLOTTING:
         bench_layer.plot(rows, str(tmp_path / "rows.png"))
+
+
+def test_memory_bench_writes_rows(tmp_path):
+    out = tmp_path / "memory.json"
+    assert bench.main(["--ops", "layer_memory", "--model", "tiny", "--tokens", "64", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    E, K, H, F = bench_layer.MODELS["tiny"]
+    assert (row["model"], row["T"]) == ("tiny", 64)
+    # the dense MLP keeps at least x and both halves of its [T, 2KF] product, in bf16
+    assert row["dense_saved_per_token"] >= 2 * H + 2 * 2 * K * F
+    assert 0 < row["ours_saved_per_token"] <= row["dense_saved_per_token"] < row["reference_saved_per_token"]
+    assert row["saved_vs_dense"] == pytest.approx(row["ours_saved_per_token"] / row["dense_saved_per_token"])
+    for impl in ("ours", "reference", "dense"):
+        assert row[f"{impl}_temp_bytes"] is None or row[f"{impl}_temp_bytes"] >= 0
