@@ -27,7 +27,7 @@ message(STATUS "Grouped GEMM: CUTLASS headers from ${CUTLASS_SOURCE_DIR}")
 # One generated unit per (dtype, layout, tile); the tiles are defined in grouped_gemm_cutlass.cuh
 # and chosen per call in ffi_grouped_gemm_cuda.cc. The weight gradient (M = K of the weights) uses
 # the large tile only.
-set(_moe_gemm_units cpp/grouped_gemm_setup.cu cpp/grouped_gemm_decode.cu)
+set(_moe_gemm_units cpp/grouped_gemm_setup.cu cpp/grouped_gemm_decode.cu cpp/moe_mlp_decode.cu)
 foreach(_dtype Bf16 F16)
   foreach(_layout_tile IN ITEMS
           Forward:128x256 Forward:64x256 Forward:128x128 TransposedRhs:128x256 TransposedRhs:64x256

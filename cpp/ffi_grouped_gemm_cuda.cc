@@ -12,6 +12,7 @@
 #include <string>
 
 #include "grouped_gemm.h"
+#include "moe_mlp_decode.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace moe::gemm {
@@ -160,6 +161,40 @@ ffi::Error RaggedDotDecode(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
   return gemm_error(decode_grouped_gemm(dtype, a, stream));
 }
 
+MoeMlpDecodeArgs mlp_decode_args(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn,
+                                 int64_t in_cols, int64_t out_cols, int64_t activation) {
+  MoeMlpDecodeArgs a;
+  a.tokens = tokens, a.top_k = top_k, a.experts = experts, a.hidden = hidden, a.ffn = ffn;
+  a.in_cols = in_cols, a.out_cols = out_cols, a.activation = MlpActivation(activation);
+  return a;
+}
+
+// The routed experts' MLP of a decode step (moe_mlp_decode.cu), chosen at lowering.
+ffi::Error MoeMlpDecode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
+                        ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> workspace) {
+  auto xd = x.dimensions(), wd = weights.dimensions(), id = ids.dimensions(), ind = w_in.dimensions(),
+       outd = w_out.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || id.size() != 2 || ind.size() != 3 || outd.size() != 3 || od.size() != 2)
+    return invalid("moe_mlp decode: expected x [T, H], weights and ids [T, K], w_in [E, H, C], w_out [E, F, H'], "
+                   "out [T, H']");
+  auto dtype = gemm_dtype(x.element_type());
+  if (!dtype || w_in.element_type() != x.element_type() || w_out.element_type() != x.element_type() ||
+      out->element_type() != x.element_type())
+    return invalid("moe_mlp decode: x, w_in, w_out and out must all be bfloat16 or all float16");
+  if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return invalid("moe_mlp decode: bad activation");
+  MoeMlpDecodeArgs a = mlp_decode_args(xd[0], wd[1], ind[0], xd[1], outd[1], ind[2], outd[2], activation);
+  if (wd[0] != a.tokens || id[0] != a.tokens || id[1] != a.top_k || ind[1] != a.hidden || outd[0] != a.experts ||
+      od[0] != a.tokens || od[1] != a.out_cols)
+    return invalid("moe_mlp decode: operand shapes do not agree");
+  if (!moe_mlp_decode_fits(a)) return invalid("moe_mlp decode: shapes outside the kernel's range");
+  a.x = x.untyped_data(), a.weights = weights.typed_data(), a.ids = ids.typed_data();
+  a.w_in = w_in.untyped_data(), a.w_out = w_out.untyped_data(), a.out = out->untyped_data();
+  a.workspace = workspace->untyped_data(), a.workspace_bytes = int64_t(workspace->size_bytes());
+  if (a.workspace_bytes < moe_mlp_decode_workspace_bytes(a)) return invalid("moe_mlp decode: workspace too small");
+  return gemm_error(moe_mlp_decode(*dtype, a, stream));
+}
+
 // out[b, g] [K, N] = lhs[b] rows of g ([rows, K]) transposed times rhs[b] rows of g ([rows, N]).
 ffi::Error RaggedDotWeightGrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
@@ -215,6 +250,12 @@ int64_t ragged_dot_decode_workspace_bytes(int64_t batch, int64_t groups, int64_t
   return decode_workspace_bytes(a);
 }
 
+int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn,
+                                       int64_t in_cols, int64_t out_cols, int64_t activation) {
+  return moe_mlp_decode_workspace_bytes(mlp_decode_args(tokens, top_k, experts, hidden, ffn, in_cols, out_cols,
+                                                        activation));
+}
+
 }  // namespace moe::gemm
 
 // Not marked kCmdBufferCompatible: on the H200 (jax 0.11.2), XLA's update of a command buffer
@@ -245,6 +286,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotDecodeCuda, moe::gemm::RaggedDotDecode
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<moe::gemm::I32Buffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+// Graph-safe: two kernels whose grids depend on the shapes only, counters zeroed on the device.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeCuda, moe::gemm::MoeMlpDecode,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<moe::gemm::I32Buffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("activation")
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

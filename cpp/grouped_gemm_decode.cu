@@ -13,27 +13,22 @@
 // from the group sizes with two block scans; there are min(G, M) + 1 slots, so the grid is static
 // (graph-safe) and blocks of slots past the last group with rows return at once (with S = 1 the
 // first of them zeroes the rows past the sum). No setup kernel, no host work.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
-#include <type_traits>
 
+#include "decode_common.cuh"
 #include "grouped_gemm.h"
 
 namespace moe::gemm {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kVec = 8;                 // elements per 16-byte access (bf16, f16)
-constexpr int kStrip = 32 * kVec;       // columns per block: a warp's 16-byte loads across one row
+using namespace decode;
+
 constexpr int kStageK = 1024;           // lhs columns staged in shared memory at a time
 constexpr int kPassRows = 8;            // rows of a group applied per pass over its strip
 constexpr int kMaxSlots = 65535;        // gridDim.y and gridDim.z
 constexpr int kMinSplitRows = 256;      // a split reads at least this many rows of the matrix
-constexpr int kBlocksPerSm = 2;         // resident blocks per multiprocessor (registers)
 
 struct Slot {
   int64_t start = 0;    // first row of the group
@@ -80,39 +75,11 @@ __device__ void find_slot(const int32_t* sizes, int64_t groups, int64_t rows, in
   __syncthreads();
 }
 
-template <class E>
-__device__ __forceinline__ float to_float(E x) {
-  if constexpr (std::is_same_v<E, __nv_bfloat16>) return __bfloat162float(x);
-  else return __half2float(x);
-}
-
-template <class E>
-__device__ __forceinline__ E from_float(float x) {
-  if constexpr (std::is_same_v<E, __nv_bfloat16>) return __float2bfloat16_rn(x);
-  else return __float2half_rn(x);
-}
-
-template <class E>
-__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[kVec]) {
-  const auto* p = reinterpret_cast<const E*>(&v);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) f[i] = to_float(p[i]);
-}
-
 // The first R staged rows of one k, read as one shared-memory access.
 template <class E, int R>
 struct alignas(sizeof(E) * R) RowVector {
   E v[R];
 };
-
-// A streamed weight vector: read once, so kept out of L1 and fetched with L2 prefetch.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 template <class E>
 union Shared {
@@ -267,8 +234,6 @@ __global__ void __launch_bounds__(kThreads) add_partials(E* out, const float* pa
     *reinterpret_cast<uint4*>(out + b * M * N + i) = packed;
   }
 }
-
-int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
 // Rows of the matrix per split: a multiple of 8 so every split starts on a 16-byte row boundary.
 int64_t split_rows_of(int64_t k, int splits) { return ((k + splits - 1) / splits + kVec - 1) / kVec * kVec; }

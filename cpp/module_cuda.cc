@@ -38,6 +38,7 @@ NB_MODULE(_cuda, m) {
     d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
     d["ragged_dot_decode"] = moe::capsule(MoeRaggedDotDecodeCuda);
+    d["moe_mlp_decode"] = moe::capsule(MoeMlpDecodeCuda);
 #endif
     return d;
   });
@@ -53,5 +54,6 @@ NB_MODULE(_cuda, m) {
 #ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
   m.def("ragged_dot_workspace_bytes", &moe::gemm::ragged_dot_workspace_bytes);
   m.def("ragged_dot_decode_workspace_bytes", &moe::gemm::ragged_dot_decode_workspace_bytes);
+  m.def("moe_mlp_decode_workspace_bytes", &moe::gemm::moe_mlp_decode_workspace_bytes);
 #endif
 }

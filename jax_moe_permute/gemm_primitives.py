@@ -142,9 +142,10 @@ DECODE_ROWS_PER_GROUP = 0.25
 _MAX_GRID_Y = 65535
 
 
-def _use_decode_kernel(batch: int, rows: int, groups: int) -> bool:
+def use_decode_kernel(batch: int, rows: int, groups: int) -> bool:
     """Static choice of the forward GEMM's kernel; MOE_GROUPED_GEMM_TILE, read when the call is
-    lowered, forces it ("decode") or a CUTLASS tile (any other value)."""
+    lowered, forces it ("decode") or a CUTLASS tile (any other value). The same rule picks the
+    fused decode MLP (decode_mlp.py) for a whole moe_mlp call, when it is traced."""
     if min(groups, rows) + 1 > _MAX_GRID_Y or batch > _MAX_GRID_Y:
         return False
     forced = os.environ.get("MOE_GROUPED_GEMM_TILE")
@@ -165,7 +166,7 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
     if not _kernel_fits(ctx.avals_in, out, ctx.avals_in[0].shape[2], out.shape[2]):
         return _lower_ref_ragged_dot(ctx, lhs, rhs, group_sizes, rhs_transposed=rhs_transposed,
                                      out_dtype=out_dtype, precision=precision)
-    if not rhs_transposed and _use_decode_kernel(out.shape[0], out.shape[1], ctx.avals_in[2].shape[1]):
+    if not rhs_transposed and use_decode_kernel(out.shape[0], out.shape[1], ctx.avals_in[2].shape[1]):
         return _lower_ragged_dot_decode(ctx, lhs, rhs, group_sizes)
     layout = _LAYOUT_TRANSPOSED_RHS if rhs_transposed else _LAYOUT_FORWARD
     return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from . import ops, primitives
+from . import decode_mlp, ops, primitives
 from .grouped_gemm import ragged_dot
 from .routing import check_routing_args
 
@@ -129,9 +129,25 @@ def moe_mlp(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
 def _routed_experts(x, weights, ids, w_in, w_out, expert_map, activation, num_experts, num_local_experts):
+    if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
+        local = ids if expert_map is None else _local_ids(ids, expert_map)
+        return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation)
+    return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts)
+
+
+def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None):
+    """permute -> expert_mlp -> weighted unpermute; ids index w_in's experts unless expert_map maps them."""
+    num_experts = w_in.shape[0] if expert_map is None else expert_map.shape[0]
     res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
     y = expert_mlp(res.hidden, res.group_sizes, w_in, w_out, activation)
     return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
+
+
+def _local_ids(ids, expert_map):
+    """Global ids -> rows of the local weights, -1 for ids outside [0, E) or not here."""
+    E = expert_map.shape[0]
+    inside = (ids >= 0) & (ids < E)
+    return jnp.where(inside, expert_map[jnp.clip(ids, 0, E - 1)], -1)
 
 
 def _to_rows(a, row_map, num_rows, dtype, weights=None):

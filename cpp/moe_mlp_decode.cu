@@ -1,0 +1,258 @@
+// The routed experts' MLP of a decode step in two launches, straight from the tokens:
+//   out[t] = sum_k weights[t, k] * (act(x[t] · w_in[ids[t, k]]) · w_out[ids[t, k]])
+// for calls with a few (token, expert) pairs per expert, where the time is the weight read. It
+// replaces permute, the two grouped GEMMs with their partial-sum kernels, the activation and the
+// weighted unpermute (seven launches) of the unfused path.
+//
+// Launch 1 (gate_up): a block takes one pair p = (t, k), a strip of 256 columns of w_in and one
+// of S1 row ranges (split-K), reads x[t] directly (no permuted copy) and writes float32 partial
+// sums [S1, P, 2F]. Its first block also zeroes the arrival counters of launch 2.
+// Launch 2 (down): a block takes a pair, a strip of 256 output columns and one of S2 ranges of
+// w_out's F rows; it adds launch 1's S1 partials of its F range in a fixed order, rounds them as
+// the unfused path stores them (gate_up in the element type), applies the activation (rounded
+// again), streams its rows of w_out and writes float32 partials [S2, P, H']. The last block to
+// arrive for a (token, strip) (an atomic counter per token and strip) adds the K x S2 partials
+// in a fixed order, rounding each expert's output to the element type before the weighted sum, as
+// the unfused path does: results are bitwise reproducible and equal that path's to rounding.
+//
+// Pairs whose id lies outside [0, E) contribute nothing. Grids depend on the shapes only (graph
+// safe); no host work, no setup kernel.
+#include <algorithm>
+#include <cstdint>
+
+#include "decode_common.cuh"
+#include "moe_mlp_decode.h"
+
+namespace moe::gemm {
+namespace {
+
+using namespace decode;
+
+constexpr int kUnroll = 16;          // weight loads in flight per thread
+constexpr int kMinSplitRows = 128;   // a split reads at least this many rows of a matrix
+constexpr int kMaxDownRows = 4096;   // F rows per split of launch 2 (its activations in shared memory)
+constexpr int kMaxSplits = 64;
+
+struct Plan {
+  int64_t pairs = 0, in_strips = 0, out_strips = 0;
+  int in_splits = 1, out_splits = 1;
+  int64_t in_split_rows = 0, out_split_rows = 0;
+  int64_t gate_up_offset = 0, out_offset = 0, arrivals_offset = 0, bytes = 0;  // workspace layout
+};
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Splits that make about one wave of resident blocks, at least kMinSplitRows rows each.
+int splits_for(int64_t blocks, int64_t rows, int64_t fewest) {
+  const int64_t want = std::max<int64_t>(1, kBlocksPerSm * int64_t(sm_count()) / std::max<int64_t>(1, blocks));
+  const int64_t most = std::max<int64_t>(fewest, std::min<int64_t>(kMaxSplits, rows / kMinSplitRows));
+  return int(std::clamp<int64_t>(want, fewest, most));
+}
+
+Plan plan_of(const MoeMlpDecodeArgs& a) {
+  Plan p;
+  p.pairs = a.tokens * a.top_k;
+  p.in_strips = ceil_div(a.in_cols, kStrip);
+  p.out_strips = ceil_div(a.out_cols, kStrip);
+  p.in_splits = splits_for(p.pairs * p.in_strips, a.hidden, 1);
+  p.in_split_rows = round_up(ceil_div(a.hidden, p.in_splits), kVec);
+  p.out_splits = splits_for(p.pairs * p.out_strips, a.ffn, ceil_div(a.ffn, kMaxDownRows));
+  p.out_split_rows = std::min<int64_t>(kMaxDownRows, round_up(ceil_div(a.ffn, p.out_splits), kVec));
+  p.gate_up_offset = 0;
+  p.out_offset = align256(p.in_splits * p.pairs * a.in_cols * int64_t(sizeof(float)));
+  p.arrivals_offset = p.out_offset + align256(p.out_splits * p.pairs * a.out_cols * int64_t(sizeof(float)));
+  p.bytes = p.arrivals_offset + align256(a.tokens * p.out_strips * int64_t(sizeof(int32_t)));
+  return p;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+__device__ __forceinline__ float gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); }
+
+template <MlpActivation A>
+__device__ __forceinline__ float activate(float g) {
+  if constexpr (A == MlpActivation::kSwiglu) return silu(g);
+  else if constexpr (A == MlpActivation::kGeglu || A == MlpActivation::kGelu) return gelu(g);
+  else return fmaxf(g, 0.0f);
+}
+
+constexpr bool gated(MlpActivation a) { return a == MlpActivation::kSwiglu || a == MlpActivation::kGeglu; }
+
+// acc[c] += v(k) * w[k, col + c] over the rows k in [k_begin, k_end) of this warp (every
+// kWarps-th, from warp's), 16 weight loads in flight per thread.
+template <class E, class V>
+__device__ __forceinline__ void stream_rows(V v, const E* __restrict__ w, int64_t n, int64_t k_begin, int64_t k_end,
+                                            int64_t col, bool col_ok, float (&acc)[kVec]) {
+  const int warp = threadIdx.x / 32;
+#pragma unroll 2  // the next step's loads issue while this step multiplies
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kUnroll * kWarps) {
+    uint4 wv[kUnroll];
+    float vk[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = k0 + u * kWarps + warp;
+      wv[u] = col_ok && k < k_end ? load_stream(w + k * n + col) : make_uint4(0, 0, 0, 0);
+      vk[u] = k < k_end ? v(k) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float wf[kVec];
+      to_float8<E>(wv[u], wf);
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) acc[c] = fmaf(vk[u], wf[c], acc[c]);
+    }
+  }
+}
+
+// The warps' sums of one strip added in warp order; thread j returns column j's (kStrip = kThreads).
+__device__ __forceinline__ float sum_over_warps(const float (&acc)[kVec], float (&red)[kWarps][kStrip]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) red[warp][lane * kVec + c] = acc[c];
+  __syncthreads();
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += red[w][threadIdx.x];
+  return sum;
+}
+
+__device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) { return e >= 0 && e < experts; }
+
+template <class E>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpDecodeArgs a, Plan plan) {
+  __shared__ float red[kWarps][kStrip];
+  float* partials = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + plan.gate_up_offset);
+  int32_t* arrivals = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + plan.arrivals_offset);
+  if (blockIdx.x == 0 && blockIdx.y == 0)  // launch 2 runs after this one: its counters start at zero
+    for (int64_t i = threadIdx.x; i < a.tokens * plan.out_strips; i += kThreads) arrivals[i] = 0;
+  const int64_t p = blockIdx.y, t = p / a.top_k;
+  const int32_t e = a.ids[p];
+  if (!valid_expert(e, a.experts)) return;
+  const int64_t split = blockIdx.x % plan.in_splits, col0 = int64_t(blockIdx.x / plan.in_splits) * kStrip;
+  const int64_t col = col0 + (threadIdx.x % 32) * kVec;
+  const int64_t k_begin = std::min(a.hidden, split * plan.in_split_rows);
+  const int64_t k_end = std::min(a.hidden, k_begin + plan.in_split_rows);
+  const E* x = static_cast<const E*>(a.x) + t * a.hidden;
+  const E* w = static_cast<const E*>(a.w_in) + int64_t(e) * a.hidden * a.in_cols;
+  float acc[kVec] = {};
+  stream_rows<E>([&](int64_t k) { return to_float(x[k]); }, w, a.in_cols, k_begin, k_end, col, col < a.in_cols, acc);
+  const float sum = sum_over_warps(acc, red);
+  if (col0 + threadIdx.x < a.in_cols) partials[(split * plan.pairs + p) * a.in_cols + col0 + threadIdx.x] = sum;
+}
+
+template <class E, MlpActivation A>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDecodeArgs a, Plan plan) {
+  __shared__ float red[kWarps][kStrip];
+  __shared__ float h[kMaxDownRows];
+  __shared__ bool last;
+  const float* gate_up = reinterpret_cast<const float*>(static_cast<const char*>(a.workspace) + plan.gate_up_offset);
+  float* partials = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + plan.out_offset);
+  int32_t* arrivals = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + plan.arrivals_offset);
+  const int64_t p = blockIdx.y, t = p / a.top_k, P = plan.pairs;
+  const int64_t split = blockIdx.x % plan.out_splits, strip = blockIdx.x / plan.out_splits, col0 = strip * kStrip;
+  const int32_t e = a.ids[p];
+  float sum = 0.0f;  // this thread's column of the block's partial (zero for a pair without an expert)
+  if (valid_expert(e, a.experts)) {
+    const int64_t f_begin = std::min(a.ffn, split * plan.out_split_rows);
+    const int64_t f_end = std::min(a.ffn, f_begin + plan.out_split_rows);
+    const E* w = static_cast<const E*>(a.w_out) + int64_t(e) * a.ffn * a.out_cols;
+    for (int64_t f = f_begin + threadIdx.x; f < f_end; f += kThreads) {
+      float g = 0.0f, u = 0.0f;
+#pragma unroll 8
+      for (int s = 0; s < plan.in_splits; ++s) {
+        const float* row = gate_up + (s * P + p) * a.in_cols;
+        g += __ldcg(row + f);
+        if constexpr (gated(A)) u += __ldcg(row + a.ffn + f);
+      }
+      float value = activate<A>(round_to<E>(g));
+      if constexpr (gated(A)) value = round_to<E>(value) * round_to<E>(u);
+      h[f - f_begin] = round_to<E>(value);
+    }
+    __syncthreads();
+    const int64_t col = col0 + (threadIdx.x % 32) * kVec;
+    float acc[kVec] = {};
+    stream_rows<E>([&](int64_t f) { return h[f - f_begin]; }, w, a.out_cols, f_begin, f_end, col,
+                   col < a.out_cols, acc);
+    sum = sum_over_warps(acc, red);
+  }
+  if (col0 + threadIdx.x < a.out_cols) partials[(split * P + p) * a.out_cols + col0 + threadIdx.x] = sum;
+  // The last of the K x S2 blocks of (t, strip) adds their partials.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last = atomicAdd(arrivals + t * plan.out_strips + strip, 1) == int(a.top_k * plan.out_splits) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t col = col0 + threadIdx.x;
+  if (col >= a.out_cols) return;
+  // Over i = k * S2 + s in order, 16 loads in flight: y_k = sum_s partial, out = sum_k w_k * y_k.
+  const int64_t terms = a.top_k * plan.out_splits;
+  float out = 0.0f, y = 0.0f;
+  for (int64_t i0 = 0; i0 < terms; i0 += 16) {
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int64_t i = i0 + j, k = i / plan.out_splits, s = i % plan.out_splits;
+      v[j] = i < terms ? __ldcg(partials + (s * P + t * a.top_k + k) * a.out_cols + col) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int64_t i = i0 + j, q = t * a.top_k + i / plan.out_splits;
+      if (i >= terms) break;
+      y += v[j];
+      if (i % plan.out_splits == plan.out_splits - 1) {
+        if (valid_expert(a.ids[q], a.experts)) out += a.weights[q] * round_to<E>(y);
+        y = 0.0f;
+      }
+    }
+  }
+  static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
+}
+
+template <class E, MlpActivation A>
+cudaError_t launch(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
+  gate_up_kernel<E><<<dim3(unsigned(plan.in_strips * plan.in_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
+      a, plan);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  down_kernel<E, A><<<dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
+      a, plan);
+  return cudaGetLastError();
+}
+
+template <class E>
+cudaError_t launch_activation(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
+  switch (a.activation) {
+    case MlpActivation::kSwiglu: return launch<E, MlpActivation::kSwiglu>(a, plan, stream);
+    case MlpActivation::kGeglu: return launch<E, MlpActivation::kGeglu>(a, plan, stream);
+    case MlpActivation::kGelu: return launch<E, MlpActivation::kGelu>(a, plan, stream);
+    case MlpActivation::kRelu: return launch<E, MlpActivation::kRelu>(a, plan, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+bool moe_mlp_decode_fits(const MoeMlpDecodeArgs& a) {
+  const Plan plan = plan_of(a);
+  const bool widths_ok = a.hidden % kVec == 0 && a.in_cols % kVec == 0 && a.out_cols % kVec == 0 &&
+                         a.in_cols == (gated(a.activation) ? 2 * a.ffn : a.ffn);
+  return widths_ok && plan.pairs <= 65535 && plan.in_strips * plan.in_splits <= INT32_MAX &&
+         plan.out_strips * plan.out_splits <= INT32_MAX;
+}
+
+int64_t moe_mlp_decode_workspace_bytes(const MoeMlpDecodeArgs& a) { return plan_of(a).bytes; }
+
+cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t stream) {
+  if (a.tokens == 0 || a.out_cols == 0) return cudaSuccess;
+  const size_t element = 2;  // bf16, f16
+  if (a.top_k == 0 || a.hidden == 0 || a.ffn == 0)  // no pair contributes
+    return cudaMemsetAsync(a.out, 0, size_t(a.tokens * a.out_cols) * element, stream);
+  if (!moe_mlp_decode_fits(a)) return cudaErrorInvalidValue;
+  const Plan plan = plan_of(a);
+  if (a.workspace_bytes < plan.bytes) return cudaErrorInvalidValue;
+  return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, plan, stream)
+                               : launch_activation<__half>(a, plan, stream);
+}
+
+}  // namespace moe::gemm

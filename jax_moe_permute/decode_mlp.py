@@ -1,0 +1,99 @@
+"""The routed experts' MLP of a decode step as one primitive, from the tokens to the weighted sum:
+
+  moe_mlp_decode  (x [T, H], weights [T, K] float32, ids [T, K] int32, w_in [L, H, C], w_out [L, F, H'])
+                  -> out [T, H'] = sum_k weights[t, k] * MLP_{ids[t, k]}(x[t])
+
+On sm_90 it lowers to the fused decode kernels (cpp/moe_mlp_decode.cu: two launches in place of
+permute, two grouped GEMMs with their partial sums, the activation and the weighted unpermute),
+elsewhere to that unfused composition. `layer.moe_mlp` binds it for decode-sized calls only (the
+rule of the forward GEMM's decode kernel, `gemm_primitives.DECODE_ROWS_PER_GROUP`), and only as
+the primal of its JVP rule: derivatives go through the unfused path. Ids outside [0, L)
+contribute nothing (expert_map is applied before the bind).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _compat, _native, gemm_primitives
+
+moe_mlp_decode_p = Primitive("jax_moe_permute_moe_mlp_decode")
+
+# layer.ACTIVATIONS in the kernel's numbering (grouped_gemm.h, MlpActivation).
+ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3}
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MAX_PAIRS = 65535  # the kernels' gridDim.y
+
+
+def _kernel_fits(x, ids, w_in, w_out) -> bool:
+    """Our CUDA module on an sm_90 GPU, bf16/f16 throughout, 16-byte rows, a grid of pairs."""
+    if not (_native.has_target("cuda", "moe_mlp_decode") and gemm_primitives.kernels_available()):
+        return False
+    (T, H), K, C, H_out = x.shape, ids.shape[1], w_in.shape[2], w_out.shape[2]
+    dtypes_ok = jnp.dtype(x.dtype) in _KERNEL_DTYPES and w_in.dtype == x.dtype and w_out.dtype == x.dtype
+    return dtypes_ok and H % 8 == 0 and C % 8 == 0 and H_out % 8 == 0 and 0 < T * K <= _MAX_PAIRS
+
+
+def kernel_applies(x, ids, w_in, w_out) -> bool:
+    """Whether a moe_mlp call of these static shapes and dtypes takes the fused decode kernels:
+    they fit, and the groups are decode-sized."""
+    T, K, L = x.shape[0], ids.shape[1], w_in.shape[0]
+    return _kernel_fits(x, ids, w_in, w_out) and gemm_primitives.use_decode_kernel(1, T * K, L)
+
+
+def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str):
+    """Binds the primitive (arguments checked by `layer.moe_mlp`)."""
+    args = _compat.pvary_to_match(x, weights.astype(jnp.float32), ids.astype(jnp.int32), w_in, w_out)
+    return moe_mlp_decode_p.bind(*args, activation=activation)
+
+
+def _unfused(x, weights, ids, w_in, w_out, *, activation):
+    from . import layer  # layer binds this primitive: import it when first lowered, not at load
+
+    return layer.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
+
+
+def _abstract(x, weights, ids, w_in, w_out, *, activation):
+    return _compat.shaped_like((x, weights, ids, w_in, w_out), (x.shape[0], w_out.shape[2]), x.dtype)
+
+
+def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *, activation):
+    x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in
+    if not _kernel_fits(x_aval, ids_aval, w_in_aval, w_out_aval):  # e.g. float32, called directly
+        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, activation=activation)
+    (T, H), K = ctx.avals_in[0].shape, ctx.avals_in[2].shape[1]
+    L, _, C = ctx.avals_in[3].shape
+    _, F, H_out = ctx.avals_in[4].shape
+    code = ACTIVATION_CODES[activation]
+    nbytes = _native.workspace_bytes("cuda", "moe_mlp_decode", T, K, L, H, F, C, H_out, code)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
+    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode"))
+    return call(ctx, x, weights, ids, w_in, w_out, activation=np.int64(code))[:-1]
+
+
+def _batch(args, dims, *, activation):
+    """A vmapped call runs the unfused composition (whose ops batch into single launches)."""
+    return jax.vmap(functools.partial(_unfused, activation=activation), in_axes=dims)(*args), 0
+
+
+def _jvp(primals, tangents, *, activation):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(functools.partial(_unfused, activation=activation), tuple(primals), tangents)
+
+
+_lower_unfused = mlir.lower_fun(_unfused, multiple_results=False)
+
+moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation",)))
+moe_mlp_decode_p.def_abstract_eval(_abstract)
+mlir.register_lowering(moe_mlp_decode_p, _lower_unfused)
+batching.primitive_batchers[moe_mlp_decode_p] = _batch
+ad.primitive_jvps[moe_mlp_decode_p] = _jvp
+if _native.has_target("cuda", "moe_mlp_decode"):
+    mlir.register_lowering(moe_mlp_decode_p, _lower_cuda, platform="cuda")

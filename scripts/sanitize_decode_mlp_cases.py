@@ -1,0 +1,71 @@
+"""Small cases of the fused decode MLP (cpp/moe_mlp_decode.cu) for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_decode_mlp_cases.py
+
+Every activation, bf16 and f16, ids past the experts, -1 and repeated, several splits of H and F,
+a strip past the last column, many pairs per expert (the kernels forced); each result checked
+against a float64 NumPy reference on the host, so an uninitialised read also shows as a mismatch."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_permute as jmp
+from jax_moe_permute import decode_mlp
+from jax_moe_permute.grouped_gemm import kernels_available
+
+CASES = [  # (T, E, K, H, F)
+    (1, 16, 4, 264, 40),   # H and 2F not multiples of 256
+    (2, 8, 2, 1024, 520),  # split H and F
+    (5, 3, 2, 64, 16),     # more pairs than experts
+]
+
+
+def reference(x, w, ids, w_in, w_out, activation):
+    x, w_in, w_out = (np.asarray(a, np.float64) for a in (x, w_in, w_out))
+    out = np.zeros((x.shape[0], w_out.shape[2]))
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if not 0 <= e < w_in.shape[0]:
+                continue
+            h = x[t] @ w_in[e]
+            if activation in ("swiglu", "geglu"):
+                g, u = np.split(h, 2)
+                a = np.asarray(jax.nn.silu(g) if activation == "swiglu" else jax.nn.gelu(g, approximate=False)) * u
+            else:
+                a = np.maximum(h, 0) if activation == "relu" else np.asarray(jax.nn.gelu(h, approximate=False))
+            out[t] += float(w[t, k]) * (a @ w_out[e])
+    return out
+
+
+def main():
+    assert kernels_available(), "needs an sm_90 GPU and the CUDA module"
+    os.environ["MOE_GROUPED_GEMM_TILE"] = "decode"  # the fused kernels for every case
+    key = jax.random.PRNGKey(0)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for activation in decode_mlp.ACTIVATION_CODES:
+            width = 2 if activation in ("swiglu", "geglu") else 1
+            for T, E, K, H, F in CASES:
+                k1, k2, k3, k4, k5, key = jax.random.split(key, 6)
+                x = jax.random.normal(k1, (T, H)).astype(dtype)
+                w = jax.random.uniform(k2, (T, K))
+                ids = np.asarray(jax.random.randint(k3, (T, K), 0, E))
+                ids[0, 0], ids[-1, -1] = -1, E  # outside the experts
+                if K > 1:
+                    ids[T // 2, 1] = ids[T // 2, 0]  # repeated
+                w_in = (jax.random.normal(k4, (E, H, width * F)) * H ** -0.5).astype(dtype)
+                w_out = (jax.random.normal(k5, (E, F, H)) * F ** -0.5).astype(dtype)
+                f = jax.jit(lambda *a: jmp.moe_mlp(*a, activation=activation))
+                assert "jax_moe_permute.moe_mlp_decode" in f.lower(x, w, ids, w_in, w_out).as_text()
+                out = np.asarray(f(x, w, jnp.asarray(ids), w_in, w_out), np.float64)
+                ref = reference(x, w, ids, w_in, w_out, activation)
+                tol = 3e-2 * max(1.0, float(np.abs(ref).max()))
+                assert np.abs(out - ref).max() <= tol, (dtype, activation, T, E, K, H, F)
+    print("SANITIZE DECODE MLP CASES DONE")
+
+
+if __name__ == "__main__":
+    main()

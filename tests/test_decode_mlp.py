@@ -1,0 +1,156 @@
+"""The fused decode MLP (decode_mlp.moe_mlp_decode): the primitive against the dense reference on
+every backend (its unfused lowering on CPU), its batching and JVP; on the GPU the fused kernels
+themselves, chosen by moe_mlp for decode-sized calls: every activation and dtype, invalid and
+repeated ids, expert_map, Mixtral's long F rows, forced on shapes the rule would not pick,
+bitwise reproducible, equal to the unfused path to rounding, gradients through the JVP rule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_permute as jmp
+from jax_moe_permute import decode_mlp
+from conftest import needs_gpu, random_float
+from test_layer import assert_allclose, dense_moe, layer_inputs
+
+ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
+FUSED_TARGET = "jax_moe_permute.moe_mlp_decode"
+
+
+def with_bad_ids(ids, E):
+    """Token 0 gets an id past the experts, -1 and a repeat of its first expert where K allows."""
+    ids = np.array(ids)
+    K = ids.shape[1]
+    ids[0, -1] = E
+    if K > 1:
+        ids[0, 0] = -1
+    if K > 2:
+        ids[0, 1] = ids[0, 2]
+    return jnp.asarray(ids)
+
+
+def assert_close_to(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = max(float(np.abs(b).max()), 1.0) if b.size else 1.0
+    assert a.shape == b.shape
+    assert float(np.abs(a - b).max(initial=0.0)) <= tol * scale
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("T,E,K,H,F", [(3, 8, 2, 16, 24), (1, 4, 4, 8, 3), (0, 4, 2, 8, 8), (5, 1, 1, 5, 2)])
+def test_primitive_matches_dense(activation, T, E, K, H, F):
+    x, w, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
+    if T:
+        ids = with_bad_ids(ids, E)
+    f = jax.jit(functools.partial(decode_mlp.moe_mlp_decode, activation=activation))
+    assert_allclose(f(x, w, ids, w_in, w_out), dense_moe(x, w, ids, w_in, w_out, activation=activation))
+
+
+def test_primitive_vmap_and_jvp():
+    V, T, E, K, H, F = 3, 4, 6, 2, 8, 5
+    batch = [layer_inputs(T, E, K, H, F) for _ in range(V)]
+    x, w, ids, w_in, w_out = (jnp.stack(a) for a in zip(*batch))
+    f = functools.partial(decode_mlp.moe_mlp_decode, activation="swiglu")
+    out = jax.jit(jax.vmap(f, (0, 0, 0, None, None)))(x, w, ids, w_in[0], w_out[0])
+    for v in range(V):
+        assert_allclose(out[v], dense_moe(x[v], w[v], ids[v], w_in[0], w_out[0]))
+    primals = (x[0], w[0], w_in[0], w_out[0])
+    tangents = tuple(random_float(p.shape, jnp.float32) for p in primals)
+    run = lambda g: jax.jit(lambda: jax.jvp(lambda a, b, c, d: g(a, b, ids[0], c, d), primals, tangents))()
+    (o, d), (o_ref, d_ref) = run(f), run(dense_moe)
+    assert_allclose(o, o_ref)
+    assert_allclose(d, d_ref, 1e-4)
+
+
+# ---- GPU: the fused kernels ------------------------------------------------------------------
+
+def decode_inputs(T, E, K, H, F, activation="swiglu", dtype=jnp.bfloat16):
+    """layer_inputs with weights scaled by 1 / sqrt(fan-in), so float16 sums stay finite."""
+    x, w, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation, dtype)
+    return x, w, ids, (w_in * H ** -0.5).astype(dtype), (w_out * F ** -0.5).astype(dtype)
+
+
+def fused_call(activation="swiglu", **kw):
+    """A freshly traced jitted moe_mlp (the kernel choice is made when it is traced)."""
+    return jax.jit(lambda x, w, ids, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation, **kw))
+
+
+def lowered_text(f, *args):
+    return f.lower(*args).as_text()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("T,E,K,H,F", [
+    (1, 128, 8, 2048, 768),  # Qwen3-30B-A3B at T = 1
+    (4, 64, 4, 264, 48),     # T * K = 16 = E / 4: the rule's edge; H not a multiple of 256
+    (1, 16, 1, 8, 8),        # one pair, H = 8
+])
+def test_fused_matches_dense(dtype, activation, T, E, K, H, F):
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F, activation, dtype)
+    ids = with_bad_ids(ids, E)
+    f = fused_call(activation)
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
+    got = f(x, w, ids, w_in, w_out)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = dense_moe(f32(x), w, ids, f32(w_in), f32(w_out), activation=activation)
+    assert got.dtype == dtype
+    assert_close_to(got, want, 2e-2)
+    np.testing.assert_array_equal(np.asarray(f(x, w, ids, w_in, w_out), np.float32), np.asarray(got, np.float32))
+
+
+@needs_gpu
+def test_fused_long_rows_and_unfused_agree(monkeypatch):
+    """Mixtral's decode shape (F = 14336: more than one shared-memory range of F rows per block)
+    against the unfused path (a CUTLASS tile forced) to rounding."""
+    T, E, K, H, F = 1, 8, 2, 4096, 14336
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    fused = fused_call()
+    assert FUSED_TARGET in lowered_text(fused, x, w, ids, w_in, w_out)
+    got = fused(x, w, ids, w_in, w_out)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "64x256")
+    unfused = fused_call()
+    assert FUSED_TARGET not in lowered_text(unfused, x, w, ids, w_in, w_out)
+    assert_close_to(got, unfused(x, w, ids, w_in, w_out), 2e-2)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert_close_to(got, dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,E,K", [(5, 1, 1), (7, 3, 2), (33, 16, 8)])
+def test_fused_forced(T, E, K, monkeypatch):
+    """MOE_GROUPED_GEMM_TILE=decode takes the fused kernels past the rule: E = 1, many pairs per expert."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "decode")
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, 64, 40)
+    ids = with_bad_ids(ids, E)
+    f = fused_call()
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert_close_to(f(x, w, ids, w_in, w_out), dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+
+
+@needs_gpu
+def test_fused_expert_map_and_grads():
+    """A local share of the experts (expert_map), and gradients at a decode shape (the JVP rule's
+    unfused path) against the dense reference."""
+    T, E, K, H, F, L = 2, 64, 4, 128, 32, 32  # T * K = L / 4 pairs
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    local = jnp.arange(0, E, E // L)
+    expert_map = jnp.full(E, -1, jnp.int32).at[local].set(jnp.arange(L))
+    ids = ids.at[0, 0].set(int(local[3]))  # at least one pair is local
+    f = fused_call(expert_map=expert_map, num_local_experts=L)
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in[local], w_out[local])
+    f32 = lambda a: a.astype(jnp.float32)
+    want = dense_moe(f32(x), w, ids, f32(w_in[local]), f32(w_out[local]), expert_ids=local)
+    assert_close_to(f(x, w, ids, w_in[local], w_out[local]), want, 2e-2)
+
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda g: lambda x, w, wi, wo: jnp.vdot(g(x, w, ids, wi, wo).astype(jnp.float32), ct)
+    grads = jax.jit(jax.grad(loss(fused_call()), (0, 1, 2, 3)))(x, w, w_in, w_out)
+    ref = jax.grad(loss(dense_moe), (0, 1, 2, 3))(f32(x), w, f32(w_in), f32(w_out))
+    for a, b in zip(grads, ref):
+        assert_close_to(a, b, 3e-2)
