@@ -186,24 +186,28 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
   __threadfence();
   const int64_t col = col0 + threadIdx.x;
   if (col >= a.out_cols) return;
-  // Over i = k * S2 + s in order, 16 loads in flight: y_k = sum_s partial, out = sum_k w_k * y_k.
-  const int64_t terms = a.top_k * plan.out_splits;
+  // Over the terms (k, s) in order, 16 loads in flight: y_k = sum_s partial, out = sum_k w_k * y_k.
+  // Counters, not divisions: this tail is serial, and 64-bit division costs tens of instructions.
+  const int terms = int(a.top_k) * plan.out_splits;
+  const float* column = partials + t * a.top_k * a.out_cols + col;
   float out = 0.0f, y = 0.0f;
-  for (int64_t i0 = 0; i0 < terms; i0 += 16) {
+  int k = 0, s = 0;  // of the next term to add
+  for (int i0 = 0; i0 < terms; i0 += 16) {
     float v[16];
+    int lk = k, ls = s;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int64_t i = i0 + j, k = i / plan.out_splits, s = i % plan.out_splits;
-      v[j] = i < terms ? __ldcg(partials + (s * P + t * a.top_k + k) * a.out_cols + col) : 0.0f;
+      v[j] = i0 + j < terms ? __ldcg(column + (int64_t(ls) * P + lk) * a.out_cols) : 0.0f;
+      if (++ls == plan.out_splits) ls = 0, ++lk;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int64_t i = i0 + j, q = t * a.top_k + i / plan.out_splits;
-      if (i >= terms) break;
+      if (i0 + j >= terms) break;
       y += v[j];
-      if (i % plan.out_splits == plan.out_splits - 1) {
+      if (++s == plan.out_splits) {
+        const int64_t q = t * a.top_k + k;
         if (valid_expert(a.ids[q], a.experts)) out += a.weights[q] * round_to<E>(y);
-        y = 0.0f;
+        y = 0.0f, s = 0, ++k;
       }
     }
   }

@@ -52,7 +52,7 @@ def main():
                 k1, k2, k3, k4, k5, key = jax.random.split(key, 6)
                 x = jax.random.normal(k1, (T, H)).astype(dtype)
                 w = jax.random.uniform(k2, (T, K))
-                ids = np.asarray(jax.random.randint(k3, (T, K), 0, E))
+                ids = np.array(jax.random.randint(k3, (T, K), 0, E))
                 ids[0, 0], ids[-1, -1] = -1, E  # outside the experts
                 if K > 1:
                     ids[T // 2, 1] = ids[T // 2, 0]  # repeated
