@@ -123,8 +123,9 @@ def moe_mlp(
 # [T*K, 2F] only, and recomputes in the backward what is cheap: the permuted rows (one gather),
 # the activation, and h * w. The gates' gradient needs no expert outputs: with h' = w * h,
 # out = sum_k (h'_k @ w_out), so d w_k = <(d out) @ w_out^T, h_k>. The forward (what inference
-# runs) stays the plain composition; the tangent equals its derivative to rounding, and derivatives
-# of any order go through the same kernels.
+# runs) is the plain composition, or for decode-sized calls the fused decode MLP (decode_mlp.py);
+# the tangent equals the composition's derivative to rounding, and derivatives of any order go
+# through the same kernels.
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
