@@ -18,7 +18,7 @@ namespace moe::gemm {
 int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t problems, int64_t batch);
 // Workspace bytes of the decode kernel's call (its split partial sums; 0 when unsplit).
 int64_t ragged_dot_decode_workspace_bytes(int64_t batch, int64_t groups, int64_t rows, int64_t k, int64_t n);
-// Workspace bytes of the fused decode MLP's call (activation as grouped_gemm.h's MlpActivation).
+// Workspace bytes of the fused decode MLP's call (activation as moe_mlp_decode.h's MlpActivation).
 int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn,
                                        int64_t in_cols, int64_t out_cols, int64_t activation);
 }  // namespace moe::gemm

@@ -26,10 +26,9 @@ from . import _compat, _native, gemm_primitives
 
 moe_mlp_decode_p = Primitive("jax_moe_permute_moe_mlp_decode")
 
-# layer.ACTIVATIONS in the kernel's numbering (grouped_gemm.h, MlpActivation).
+# layer.ACTIVATIONS in the kernel's numbering (moe_mlp_decode.h, MlpActivation).
 ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3}
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MAX_PAIRS = 65535  # the kernels' gridDim.y
 
 
 def _kernel_fits(x, ids, w_in, w_out) -> bool:
@@ -38,7 +37,8 @@ def _kernel_fits(x, ids, w_in, w_out) -> bool:
         return False
     (T, H), K, C, H_out = x.shape, ids.shape[1], w_in.shape[2], w_out.shape[2]
     dtypes_ok = jnp.dtype(x.dtype) in _KERNEL_DTYPES and w_in.dtype == x.dtype and w_out.dtype == x.dtype
-    return dtypes_ok and H % 8 == 0 and C % 8 == 0 and H_out % 8 == 0 and 0 < T * K <= _MAX_PAIRS
+    pairs_ok = 0 < T * K <= gemm_primitives.MAX_GRID_Y  # the kernels' gridDim.y
+    return dtypes_ok and pairs_ok and H % 8 == 0 and C % 8 == 0 and H_out % 8 == 0
 
 
 def kernel_applies(x, ids, w_in, w_out) -> bool:
@@ -68,9 +68,7 @@ def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *, activation):
     x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in
     if not _kernel_fits(x_aval, ids_aval, w_in_aval, w_out_aval):  # e.g. float32, called directly
         return _lower_unfused(ctx, x, weights, ids, w_in, w_out, activation=activation)
-    (T, H), K = ctx.avals_in[0].shape, ctx.avals_in[2].shape[1]
-    L, _, C = ctx.avals_in[3].shape
-    _, F, H_out = ctx.avals_in[4].shape
+    (T, H), K, (L, _, C), (_, F, H_out) = x_aval.shape, ids_aval.shape[1], w_in_aval.shape, w_out_aval.shape
     code = ACTIVATION_CODES[activation]
     nbytes = _native.workspace_bytes("cuda", "moe_mlp_decode", T, K, L, H, F, C, H_out, code)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])

@@ -139,14 +139,14 @@ def _ffi_call(ctx, target, layout, args, **attributes):
 # T = 1: measured faster there), on CUTLASS's tiles above (faster from half a row per group, Qwen3
 # at T = 8; BENCHMARKS.md, "Decode").
 DECODE_ROWS_PER_GROUP = 0.25
-_MAX_GRID_Y = 65535
+MAX_GRID_Y = 65535
 
 
 def use_decode_kernel(batch: int, rows: int, groups: int) -> bool:
     """Static choice of the forward GEMM's kernel; MOE_GROUPED_GEMM_TILE, read when the call is
     lowered, forces it ("decode") or a CUTLASS tile (any other value). The same rule picks the
     fused decode MLP (decode_mlp.py) for a whole moe_mlp call, when it is traced."""
-    if min(groups, rows) + 1 > _MAX_GRID_Y or batch > _MAX_GRID_Y:
+    if min(groups, rows) + 1 > MAX_GRID_Y or batch > MAX_GRID_Y:
         return False
     forced = os.environ.get("MOE_GROUPED_GEMM_TILE")
     if forced is not None:

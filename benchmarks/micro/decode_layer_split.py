@@ -8,8 +8,8 @@ import sys, collections
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental.mosaic.gpu import profiler
 from jax_moe_permute import layer, routing
+from jax_moe_permute.bench_layer import MODELS  # name: (E, K, H, F)
 
-MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "deepseek": (256, 8, 7168, 2048)}
 for name in sys.argv[1].split(","):
     E, K, H, F = MODELS[name]
     for T in [int(t) for t in sys.argv[2].split(",")]:

@@ -8,10 +8,10 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental.mosaic.gpu import profiler
 from jax_moe_permute import layer, routing
+from jax_moe_permute.bench_layer import MODELS  # name: (E, K, H, F)
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 LOG = open(sys.argv[2], "a") if len(sys.argv) > 2 else sys.stdout
-MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "deepseek": (256, 8, 7168, 2048)}
 
 
 def med(f, *a):
@@ -19,7 +19,8 @@ def med(f, *a):
     return float(np.median(ms)) * 1e3
 
 
-for name, (E, K, H, F) in MODELS.items():
+for name in ("qwen3", "mixtral", "deepseek"):
+    E, K, H, F = MODELS[name]
     ks = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
     logits = jax.random.normal(ks[1], (T, E), jnp.float32)
