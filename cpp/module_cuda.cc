@@ -10,7 +10,7 @@
 #include "ffi_capsule.h"
 #include "ffi_handlers.h"
 #ifdef MOE_HAS_GROUPED_GEMM
-#include "ffi_grouped_gemm.h"  // grouped GEMM (ragged_dot)
+#include "gemm/ffi_grouped_gemm.h"  // grouped GEMM (ragged_dot)
 #endif
 
 namespace nb = nanobind;

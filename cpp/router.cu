@@ -2,7 +2,7 @@
 // kWarps tokens per block, a grid-stride loop over tokens. Lane l holds experts l, l + 32, ...
 // (kSlots of them, E <= 32 * kSlots) in registers: softmax's max and sum are warp reductions, and
 // the top-k is K rounds of a warp argmax over (order key descending, expert ascending), top_k's
-// order. Group-limited choice stages the row's choice values in shared memory, where lane g scores
+// order, each a max over the keys and a min over the experts holding the top one. Group-limited choice stages the row's choice values in shared memory, where lane g scores
 // group g (its two best values) and ranks it against the others.
 //
 // The float32 formulas are the ones XLA runs for the jnp route (softmax as exp(x - max) times the
@@ -138,15 +138,10 @@ __global__ void __launch_bounds__(kRouterThreads) router_kernel(RouterArgs a) {
           best = e;
         }
       }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        const int32_t other_key = __shfl_xor_sync(kFull, best_key, offset);
-        const int32_t other = __shfl_xor_sync(kFull, best, offset);
-        if (ranks_before(other_key, other, best_key, best)) {
-          best_key = other_key;
-          best = other;
-        }
-      }
+      // The warp's best: the largest key, then the lowest expert holding it (two warp reductions,
+      // in place of a five-step shuffle tree over (key, expert) pairs).
+      const int32_t top_key = __reduce_max_sync(kFull, best_key);
+      best = __reduce_min_sync(kFull, best_key == top_key ? best : INT32_MAX);
       const int owner = best % 32, slot = best / 32;
       float own = 0.0f;
 #pragma unroll

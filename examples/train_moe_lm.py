@@ -6,7 +6,9 @@ parameters (a SwiGLU of width top_k * ffn_size), trained for the same steps.
     python examples/train_moe_lm.py --tiny     # about a minute on two CPU cores (CI)
 
 Characters are UTF-8 bytes (vocabulary 256); the last 10% of the files are the validation split.
-Prints both models' validation bits per character and writes a loss-curve PNG and a JSON summary.
+Prints both models' validation bits per character and training tokens per second (the steps after
+the first, which compiles; the loss is read back every 10 steps) and writes a loss-curve PNG and a
+JSON summary.
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ from flax import nnx
 
 from jax_moe_permute.nnx import MoE
 
-CONFIGS = {  # layers, width, heads, experts, top_k, ffn_size, context, batch, steps, corpus bytes
+# layers, width, heads, experts, top_k, ffn_size, context, batch, steps, corpus bytes, and the
+# matmuls' dtype (parameters, norms, router and loss stay float32): bf16 on the GPU, where the
+# grouped GEMM kernels run.
+CONFIGS = {
     "tiny": dict(layers=2, width=64, heads=4, experts=4, top_k=2, ffn=64, context=64, batch=16, steps=120,
-                 corpus=1_000_000),
-    "gpu": dict(layers=6, width=384, heads=6, experts=8, top_k=2, ffn=768, context=256, batch=64, steps=3000,
-                corpus=0),
+                 corpus=1_000_000, dtype="float32"),
+    # One pass over the 9.7 MB of training bytes: at 3000 steps of 64 (5 passes) both models
+    # memorise the corpus (train loss 0.5 nats, validation 1.0) and the larger MoE overfits most.
+    "gpu": dict(layers=6, width=384, heads=6, experts=8, top_k=2, ffn=768, context=256, batch=32, steps=1200,
+                corpus=0, dtype="bfloat16"),
 }
 
 
@@ -54,10 +61,10 @@ def load_corpus(max_bytes: int = 0):
 
 
 class Attention(nnx.Module):
-    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, width: int, heads: int, dtype, *, rngs: nnx.Rngs):
         self.heads = heads
-        self.qkv = nnx.Linear(width, 3 * width, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(width, width, use_bias=False, rngs=rngs)
+        self.qkv = nnx.Linear(width, 3 * width, use_bias=False, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(width, width, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         B, T, D = x.shape
@@ -69,9 +76,9 @@ class Attention(nnx.Module):
 class DenseMLP(nnx.Module):
     """SwiGLU MLP: the dense baseline with the MoE's active parameters (width top_k * ffn)."""
 
-    def __init__(self, width: int, ffn: int, *, rngs: nnx.Rngs):
-        self.w_in = nnx.Linear(width, 2 * ffn, use_bias=False, rngs=rngs)
-        self.w_out = nnx.Linear(ffn, width, use_bias=False, rngs=rngs)
+    def __init__(self, width: int, ffn: int, dtype, *, rngs: nnx.Rngs):
+        self.w_in = nnx.Linear(width, 2 * ffn, use_bias=False, dtype=dtype, rngs=rngs)
+        self.w_out = nnx.Linear(ffn, width, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         gate, up = jnp.split(self.w_in(x), 2, axis=-1)
@@ -81,10 +88,11 @@ class DenseMLP(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs):
         self.norm1 = nnx.RMSNorm(c["width"], rngs=rngs)
-        self.attn = Attention(c["width"], c["heads"], rngs=rngs)
+        dtype = jnp.dtype(c["dtype"])
+        self.attn = Attention(c["width"], c["heads"], dtype, rngs=rngs)
         self.norm2 = nnx.RMSNorm(c["width"], rngs=rngs)
-        self.mlp = (MoE(c["width"], c["ffn"], c["experts"], c["top_k"], rngs=rngs) if moe
-                    else DenseMLP(c["width"], c["top_k"] * c["ffn"], rngs=rngs))
+        self.mlp = (MoE(c["width"], c["ffn"], c["experts"], c["top_k"], dtype=dtype, rngs=rngs) if moe
+                    else DenseMLP(c["width"], c["top_k"] * c["ffn"], dtype, rngs=rngs))
 
     def __call__(self, x):
         """(the block's output, the MoE layer's RouterAux or None for a dense MLP)."""
@@ -151,12 +159,18 @@ def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: in
     start = time.perf_counter()
     for i in range(c["steps"]):
         ce = step(model, optimizer, *next(train_it))
+        if i == 0:  # the first step compiles: the rate counts the steps after it
+            jax.block_until_ready(ce)
+            compiled = time.perf_counter()
         if i % log_every == 0 or i == c["steps"] - 1:
             curve.append((i, float(ce)))
+    trained = time.perf_counter()
+    tokens_per_s = (c["steps"] - 1) * c["batch"] * c["context"] / max(trained - compiled, 1e-9)
     val_it = batches(val_data, c["batch"], c["context"], np.random.default_rng(seed + 1))
-    val = float(np.mean([evaluate(model, *next(val_it)) for _ in range(8)]))
+    val = float(np.mean([evaluate(model, *next(val_it)) for _ in range(32)]))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return dict(curve=curve, val_bpc=val / math.log(2), seconds=time.perf_counter() - start, params=int(params))
+    return dict(curve=curve, val_bpc=val / math.log(2), seconds=time.perf_counter() - start, params=int(params),
+                compile_seconds=compiled - start, tokens_per_s=tokens_per_s)
 
 
 def plot(results: dict, path: str) -> None:
@@ -180,18 +194,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and steps (about a minute)")
     p.add_argument("--steps", type=int, default=0, help="override the number of steps")
+    p.add_argument("--batch", type=int, default=0, help="override the batch size (sequences)")
     p.add_argument("--out", default=".", help="directory for train_moe_lm.png / .json")
     args = p.parse_args(argv)
     c = dict(CONFIGS["tiny" if args.tiny else "gpu"])
     if args.steps:
         c["steps"] = args.steps
+    if args.batch:
+        c["batch"] = args.batch
     train_data, val_data = load_corpus(c["corpus"])
-    print(f"backend {jax.default_backend()}; corpus {len(train_data)} train / {len(val_data)} validation bytes")
+    passes = c["steps"] * c["batch"] * c["context"] / len(train_data)
+    print(f"backend {jax.default_backend()}; corpus {len(train_data)} train / {len(val_data)} validation bytes; "
+          f"{c['steps']} steps of {c['batch']} x {c['context']}: {passes:.2f} passes over the training bytes")
     results = {}
     for name, moe in (("moe", True), ("dense", False)):
         results[name] = r = train(c, moe, train_data, val_data)
         print(f"{name:6} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
-              f"  val {r['val_bpc']:.3f} bpc  ({r['seconds']:.1f} s)", flush=True)
+              f"  val {r['val_bpc']:.3f} bpc  {r['tokens_per_s']:,.0f} tokens/s"
+              f"  ({r['seconds']:.1f} s, first step {r['compile_seconds']:.1f} s)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_moe_lm.json"), "w") as f:
         json.dump(dict(config=c, results=results), f, indent=1)

@@ -3,7 +3,7 @@
   moe_mlp_decode  (x [T, H], weights [T, K] float32, ids [T, K] int32, w_in [L, H, C], w_out [L, F, H'])
                   -> out [T, H'] = sum_k weights[t, k] * MLP_{ids[t, k]}(x[t])
 
-On sm_90 it lowers to the fused decode kernels (cpp/moe_mlp_decode.cu: two launches in place of
+On sm_90 it lowers to the fused decode kernels (cpp/gemm/moe_mlp_decode.cu: two launches in place of
 permute, two grouped GEMMs with their partial sums, the activation and the weighted unpermute),
 elsewhere to that unfused composition. `layer.moe_mlp` binds it for decode-sized calls only (the
 rule of the forward GEMM's decode kernel, `gemm_primitives.DECODE_ROWS_PER_GROUP`), and only as

@@ -15,7 +15,7 @@ from .gemm_primitives import kernels_available, ragged_dot_bind
 
 __all__ = ["ragged_dot", "kernels_available", "TILES", "DECODE_TILE"]
 
-# The kernels' tiles (output rows x columns per CTA, cpp/grouped_gemm.h), chosen per call by the
+# The kernels' tiles (output rows x columns per CTA, cpp/gemm/grouped_gemm.h), chosen per call by the
 # problem's shape. The environment variables MOE_GROUPED_GEMM_TILE and MOE_GROUPED_GEMM_DW_TILE,
 # read at every call, force one of them on the forward and d lhs GEMMs, and on the weight
 # gradient (to measure or test it); any other value is an error.

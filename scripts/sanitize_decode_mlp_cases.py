@@ -1,4 +1,4 @@
-"""Small cases of the fused decode MLP (cpp/moe_mlp_decode.cu) for compute-sanitizer:
+"""Small cases of the fused decode MLP (cpp/gemm/moe_mlp_decode.cu) for compute-sanitizer:
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_decode_mlp_cases.py
 

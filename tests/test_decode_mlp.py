@@ -134,6 +134,21 @@ def test_fused_forced(T, E, K, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,E,K,H,F", [
+    (2, 300, 300, 16, 8),  # K past one block of staged gates (256): the last block's sum in two chunks
+    (1, 8, 2, 8200, 16),   # H past one shared-memory slice of x (8192 rows): at least two splits of H
+])
+def test_fused_many_pairs_and_long_x(T, E, K, H, F, monkeypatch):
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "decode")
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    ids = with_bad_ids(ids, E)
+    f = fused_call()
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert_close_to(f(x, w, ids, w_in, w_out), dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+
+
+@needs_gpu
 def test_fused_expert_map_and_grads():
     """A local share of the experts (expert_map), and gradients at a decode shape (the JVP rule's
     unfused path) against the dense reference."""

@@ -1,6 +1,6 @@
 """Time each grouped-GEMM tile on the benchmark's problems, forcing it with MOE_GROUPED_GEMM_TILE
 (forward and d lhs) or MOE_GROUPED_GEMM_DW_TILE (dW), both read by the kernels at every call, to
-choose the tile rules in cpp/ffi_grouped_gemm_cuda.cc:
+choose the tile rules in cpp/gemm/ffi_grouped_gemm_cuda.cc:
 
     python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw] [PROBLEMS]   (comma-separated; defaults below)
 

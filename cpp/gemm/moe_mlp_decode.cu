@@ -5,8 +5,9 @@
 // weighted unpermute (seven launches) of the unfused path.
 //
 // Launch 1 (gate_up): a block takes one pair p = (t, k), a strip of 256 columns of w_in and one
-// of S1 row ranges (split-K), reads x[t] directly (no permuted copy) and writes float32 partial
-// sums [S1, P, 2F]. Its first block also zeroes the arrival counters of launch 2.
+// of S1 row ranges (split-K), stages its slice of x[t] in shared memory (no permuted copy) and
+// writes float32 partial sums [S1, P, 2F]. Its first block also zeroes the arrival counters of
+// launch 2. Both launches issue their first weight loads before that prologue.
 // Launch 2 (down): a block takes a pair, a strip of 256 output columns and one of S2 ranges of
 // w_out's F rows; it adds launch 1's S1 partials of its F range in a fixed order, rounds them as
 // the unfused path stores them (gate_up in the element type), applies the activation (rounded
@@ -28,8 +29,9 @@ namespace {
 
 using namespace decode;
 
-constexpr int kUnroll = 16;          // weight loads in flight per thread
+constexpr int kBatch = 8;            // weight rows a warp loads per step (12 measured slower)
 constexpr int kMinSplitRows = 128;   // a split reads at least this many rows of a matrix
+constexpr int kMaxInRows = 8192;     // H rows per split of launch 1 (its slice of x in shared memory)
 constexpr int kMaxDownRows = 4096;   // F rows per split of launch 2 (its activations in shared memory)
 constexpr int kMaxSplits = 64;
 
@@ -55,8 +57,8 @@ Plan plan_of(const MoeMlpDecodeArgs& a) {
   p.pairs = a.tokens * a.top_k;
   p.in_strips = ceil_div(a.in_cols, kStrip);
   p.out_strips = ceil_div(a.out_cols, kStrip);
-  p.in_splits = splits_for(p.pairs * p.in_strips, a.hidden, 1);
-  p.in_split_rows = round_up(ceil_div(a.hidden, p.in_splits), kVec);
+  p.in_splits = splits_for(p.pairs * p.in_strips, a.hidden, ceil_div(a.hidden, kMaxInRows));
+  p.in_split_rows = std::min<int64_t>(kMaxInRows, round_up(ceil_div(a.hidden, p.in_splits), kVec));
   p.out_splits = splits_for(p.pairs * p.out_strips, a.ffn, ceil_div(a.ffn, kMaxDownRows));
   p.out_split_rows = std::min<int64_t>(kMaxDownRows, round_up(ceil_div(a.ffn, p.out_splits), kVec));
   p.gate_up_offset = 0;
@@ -78,31 +80,48 @@ __device__ __forceinline__ float activate(float g) {
 
 constexpr bool gated(MlpActivation a) { return a == MlpActivation::kSwiglu || a == MlpActivation::kGeglu; }
 
-// acc[c] += v(k) * w[k, col + c] over the rows k in [k_begin, k_end) of this warp (every
-// kWarps-th, from warp's), 16 weight loads in flight per thread.
-template <class E, class V>
-__device__ __forceinline__ void stream_rows(V v, const E* __restrict__ w, int64_t n, int64_t k_begin, int64_t k_end,
-                                            int64_t col, bool col_ok, float (&acc)[kVec]) {
-  const int warp = threadIdx.x / 32;
-#pragma unroll 2  // the next step's loads issue while this step multiplies
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += kUnroll * kWarps) {
-    uint4 wv[kUnroll];
-    float vk[kUnroll];
+// One warp's rows of a block's strip of w: rows k_begin + warp, + kWarps, ... below k_end, kBatch
+// rows a step. A block issues its first step before its prologue (staging x, or the activations),
+// so that the weight read starts at once, and each step's loads before the previous step's
+// multiplies: two steps, 16 loads a thread, in flight.
+template <class E>
+struct WeightRows {
+  const E* __restrict__ w;
+  int64_t n, k_begin, k_end, col;
+  bool col_ok;
+
+  __device__ __forceinline__ void load(int64_t k0, uint4 (&wv)[kBatch]) const {
+    const int warp = threadIdx.x / 32;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       const int64_t k = k0 + u * kWarps + warp;
       wv[u] = col_ok && k < k_end ? load_stream(w + k * n + col) : make_uint4(0, 0, 0, 0);
-      vk[u] = k < k_end ? v(k) : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float wf[kVec];
-      to_float8<E>(wv[u], wf);
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) acc[c] = fmaf(vk[u], wf[c], acc[c]);
     }
   }
-}
+
+  // acc[c] += v(k) * w[k, col + c] over the warp's rows; wv holds the first step's loads.
+  template <class V>
+  __device__ __forceinline__ void multiply(V v, uint4 (&wv)[kBatch], float (&acc)[kVec]) const {
+    const int warp = threadIdx.x / 32;
+    constexpr int64_t kStep = kBatch * kWarps;
+#pragma unroll 1
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += kStep) {
+      uint4 next[kBatch];
+      load(k0 + kStep, next);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t k = k0 + u * kWarps + warp;
+        const float vk = k < k_end ? v(k) : 0.0f;
+        float wf[kVec];
+        to_float8<E>(wv[u], wf);
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) acc[c] = fmaf(vk, wf[c], acc[c]);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) wv[u] = next[u];
+    }
+  }
+};
 
 // The warps' sums of one strip added in warp order; thread j returns column j's (kStrip = kThreads).
 __device__ __forceinline__ float sum_over_warps(const float (&acc)[kVec], float (&red)[kWarps][kStrip]) {
@@ -121,6 +140,7 @@ __device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) { retur
 template <class E>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpDecodeArgs a, Plan plan) {
   __shared__ float red[kWarps][kStrip];
+  __shared__ alignas(16) E xs[kMaxInRows];  // the split's slice of x[t]
   float* partials = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + plan.gate_up_offset);
   int32_t* arrivals = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + plan.arrivals_offset);
   if (blockIdx.x == 0 && blockIdx.y == 0)  // launch 2 runs after this one: its counters start at zero
@@ -132,10 +152,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   const int64_t col = col0 + (threadIdx.x % 32) * kVec;
   const int64_t k_begin = std::min(a.hidden, split * plan.in_split_rows);
   const int64_t k_end = std::min(a.hidden, k_begin + plan.in_split_rows);
-  const E* x = static_cast<const E*>(a.x) + t * a.hidden;
-  const E* w = static_cast<const E*>(a.w_in) + int64_t(e) * a.hidden * a.in_cols;
+  const WeightRows<E> rows{static_cast<const E*>(a.w_in) + int64_t(e) * a.hidden * a.in_cols, a.in_cols, k_begin,
+                           k_end, col, col < a.in_cols};
+  uint4 wv[kBatch];
+  rows.load(k_begin, wv);
+  const E* x = static_cast<const E*>(a.x) + t * a.hidden;  // rows of 16-byte multiples (hidden % kVec == 0)
+  for (int64_t k = k_begin + threadIdx.x * kVec; k < k_end; k += kThreads * kVec)
+    *reinterpret_cast<uint4*>(xs + (k - k_begin)) = *reinterpret_cast<const uint4*>(x + k);
+  __syncthreads();
   float acc[kVec] = {};
-  stream_rows<E>([&](int64_t k) { return to_float(x[k]); }, w, a.in_cols, k_begin, k_end, col, col < a.in_cols, acc);
+  rows.multiply([&](int64_t k) { return to_float(xs[k - k_begin]); }, wv, acc);
   const float sum = sum_over_warps(acc, red);
   if (col0 + threadIdx.x < a.in_cols) partials[(split * plan.pairs + p) * a.in_cols + col0 + threadIdx.x] = sum;
 }
@@ -144,6 +170,8 @@ template <class E, MlpActivation A>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDecodeArgs a, Plan plan) {
   __shared__ float red[kWarps][kStrip];
   __shared__ float h[kMaxDownRows];
+  __shared__ float gates[kThreads];  // the last block's: weights of kThreads of the token's pairs
+  __shared__ bool routed[kThreads];  // and whether each has an expert
   __shared__ bool last;
   const float* gate_up = reinterpret_cast<const float*>(static_cast<const char*>(a.workspace) + plan.gate_up_offset);
   float* partials = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + plan.out_offset);
@@ -155,7 +183,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
   if (valid_expert(e, a.experts)) {
     const int64_t f_begin = std::min(a.ffn, split * plan.out_split_rows);
     const int64_t f_end = std::min(a.ffn, f_begin + plan.out_split_rows);
-    const E* w = static_cast<const E*>(a.w_out) + int64_t(e) * a.ffn * a.out_cols;
+    const int64_t col = col0 + (threadIdx.x % 32) * kVec;
+    const WeightRows<E> rows{static_cast<const E*>(a.w_out) + int64_t(e) * a.ffn * a.out_cols, a.out_cols, f_begin,
+                             f_end, col, col < a.out_cols};
+    uint4 wv[kBatch];
+    rows.load(f_begin, wv);
     for (int64_t f = f_begin + threadIdx.x; f < f_end; f += kThreads) {
       float g = 0.0f, u = 0.0f;
 #pragma unroll 8
@@ -169,10 +201,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
       h[f - f_begin] = round_to<E>(value);
     }
     __syncthreads();
-    const int64_t col = col0 + (threadIdx.x % 32) * kVec;
     float acc[kVec] = {};
-    stream_rows<E>([&](int64_t f) { return h[f - f_begin]; }, w, a.out_cols, f_begin, f_end, col,
-                   col < a.out_cols, acc);
+    rows.multiply([&](int64_t f) { return h[f - f_begin]; }, wv, acc);
     sum = sum_over_warps(acc, red);
   }
   if (col0 + threadIdx.x < a.out_cols) partials[(split * P + p) * a.out_cols + col0 + threadIdx.x] = sum;
@@ -185,33 +215,46 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
   if (!last) return;
   __threadfence();
   const int64_t col = col0 + threadIdx.x;
-  if (col >= a.out_cols) return;
+  const bool col_ok = col < a.out_cols;
   // Over the terms (k, s) in order, 16 loads in flight: y_k = sum_s partial, out = sum_k w_k * y_k.
-  // Counters, not divisions: this tail is serial, and 64-bit division costs tens of instructions.
-  const int terms = int(a.top_k) * plan.out_splits;
+  // The pairs' gates are staged first (kThreads pairs at a time): loaded inside the serial sum, each
+  // would cost a memory latency. Counters, not divisions: 64-bit division costs tens of instructions.
   const float* column = partials + t * a.top_k * a.out_cols + col;
-  float out = 0.0f, y = 0.0f;
-  int k = 0, s = 0;  // of the next term to add
-  for (int i0 = 0; i0 < terms; i0 += 16) {
-    float v[16];
-    int lk = k, ls = s;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      v[j] = i0 + j < terms ? __ldcg(column + (int64_t(ls) * P + lk) * a.out_cols) : 0.0f;
-      if (++ls == plan.out_splits) ls = 0, ++lk;
+  float out = 0.0f;
+  for (int64_t k_base = 0; k_base < a.top_k; k_base += kThreads) {
+    const int pairs = int(std::min<int64_t>(kThreads, a.top_k - k_base));
+    __syncthreads();  // the previous chunk's gates are read
+    if (threadIdx.x < pairs) {
+      const int64_t q = t * a.top_k + k_base + threadIdx.x;
+      routed[threadIdx.x] = valid_expert(a.ids[q], a.experts);
+      gates[threadIdx.x] = a.weights[q];
     }
+    __syncthreads();
+    if (!col_ok) continue;
+    const int terms = pairs * plan.out_splits;
+    const float* chunk = column + k_base * a.out_cols;
+    float y = 0.0f;
+    int k = 0, s = 0;  // of the next term to add
+    for (int i0 = 0; i0 < terms; i0 += 16) {
+      float v[16];
+      int lk = k, ls = s;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      if (i0 + j >= terms) break;
-      y += v[j];
-      if (++s == plan.out_splits) {
-        const int64_t q = t * a.top_k + k;
-        if (valid_expert(a.ids[q], a.experts)) out += a.weights[q] * round_to<E>(y);
-        y = 0.0f, s = 0, ++k;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = i0 + j < terms ? __ldcg(chunk + (int64_t(ls) * P + lk) * a.out_cols) : 0.0f;
+        if (++ls == plan.out_splits) ls = 0, ++lk;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        if (i0 + j >= terms) break;
+        y += v[j];
+        if (++s == plan.out_splits) {
+          if (routed[k]) out += gates[k] * round_to<E>(y);
+          y = 0.0f, s = 0, ++k;
+        }
       }
     }
   }
-  static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
+  if (col_ok) static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
 }
 
 template <class E, MlpActivation A>
@@ -234,6 +277,7 @@ cudaError_t launch_activation(const MoeMlpDecodeArgs& a, const Plan& plan, cudaS
   }
   return cudaErrorInvalidValue;
 }
+
 
 }  // namespace
 
