@@ -4,8 +4,9 @@
                                     [--ops permute,unpermute] [--json out.json] [--plot out.png]
 
 `--ops layer,layer_bwd` runs the whole-layer benchmark instead (bench_layer.py),
-`--ops ragged_dot,ragged_dot_bwd` the grouped GEMM's (bench_gemm.py) and `--ops decode` a
-serving decode step over a stack of layers (bench_decode.py).
+`--ops ragged_dot,ragged_dot_bwd` the grouped GEMM's (bench_gemm.py), `--ops decode` a
+serving decode step over a stack of layers (bench_decode.py) and `--ops ep` one expert-parallel
+layer over every device (bench_ep.py).
 
 On GPU, device time is the sum of each op's kernel times from CUPTI
 (jax.experimental.mosaic.gpu.profiler); on CPU a wall-clock median. Bytes moved per op are the
@@ -33,7 +34,7 @@ import numpy as np
 
 import jax_moe_permute as jmp
 
-from . import bench_decode, bench_gemm, bench_layer, bench_memory
+from . import bench_decode, bench_ep, bench_gemm, bench_layer, bench_memory
 from .bench_timing import (copy_ceiling_tbps, device_us, on_gpu, op_ceiling_tbps, progress, same_bytes_copy_tbps,
                            save_rows)
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     args, unknown = p.parse_known_args(argv)
 
     ops = args.ops.split(",")
-    for family in (bench_gemm, bench_layer, bench_memory, bench_decode):  # own grids, rows, tables and plots
+    for family in (bench_gemm, bench_layer, bench_memory, bench_decode, bench_ep):  # own grids, rows, tables and plots
         if set(ops) & set(family.OPS):
             if not set(ops) <= set(family.OPS):
                 p.error(f"{', '.join(family.OPS)} run on their own; ask for the other ops apart")
