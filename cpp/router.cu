@@ -2,8 +2,9 @@
 // kWarps tokens per block, a grid-stride loop over tokens. Lane l holds experts l, l + 32, ...
 // (kSlots of them, E <= 32 * kSlots) in registers: softmax's max and sum are warp reductions, and
 // the top-k is K rounds of a warp argmax over (order key descending, expert ascending), top_k's
-// order, each a max over the keys and a min over the experts holding the top one. Group-limited choice stages the row's choice values in shared memory, where lane g scores
-// group g (its two best values) and ranks it against the others.
+// order, each a max over the keys and a min over the experts holding the top one. Group-limited
+// choice stages the row's choice values in shared memory, where lane g scores group g (its two
+// best values) and ranks it against the others.
 //
 // The float32 formulas are the ones XLA runs for the jnp route (softmax as exp(x - max) times the
 // reciprocal of the sum, sigmoid as 1 / (1 + exp(-x)), expf as XLA's libdevice exp), so that equal
