@@ -27,8 +27,6 @@ try several devices there.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import layer, parallel
 from .bench_layer import MODELS
-from .bench_timing import cell, on_gpu, progress, ratio, save_rows
+from .bench_timing import cell, on_gpu, progress, ratio, save_rows, wall_us
 from .routing import route
 
 OPS = ("ep",)
@@ -45,16 +43,6 @@ AXIS = "ep"
 GPU_MODELS = ("mixtral", "qwen3", "deepseek")
 DISPATCHES = ("all_gather", "all_to_all")
 LINK_BYTES = {True: 256 * 2**20, False: 8 * 2**20}  # per device, on GPU / elsewhere
-
-
-def wall_us(f, *args, iterations: int) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(max(3, iterations)):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
 
 
 def make_mesh():

@@ -42,6 +42,11 @@ def device_us(f: Callable, *args, iterations: int = 20) -> float:
             _, batch_ms = profiler.measure(f, iterations=batch)(*args)
             times_ms += batch_ms if isinstance(batch_ms, (list, tuple)) else [batch_ms]
         return 1e3 * statistics.median(times_ms)
+    return wall_us(f, *args, iterations=iterations)
+
+
+def wall_us(f: Callable, *args, iterations: int = 20) -> float:
+    """Median wall clock of one call of f after a warm-up call, each call block_until_ready."""
     jax.block_until_ready(f(*args))
     times = []
     for _ in range(max(3, iterations)):
