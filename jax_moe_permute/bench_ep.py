@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import layer, parallel
-from .bench_layer import MODELS
+from .bench_layer import MODELS, layer_fn
 from .bench_timing import cell, on_gpu, progress, ratio, save_rows, wall_us
 from .routing import route
 
@@ -70,14 +70,6 @@ def ep_layer(mesh, dispatch: str, E: int, K: int):
         return parallel.moe_ep(x, r.ids, r.weights, experts, num_experts=E, axis_name=AXIS, dispatch=dispatch)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(AXIS), P(AXIS)), out_specs=P(AXIS))
-
-
-def one_device_layer(K: int):
-    def f(x, router, w_in, w_out):
-        r = route(layer.router_logits(x, router), K)
-        return layer.moe_mlp(x, r.weights, r.ids, w_in, w_out)
-
-    return f
 
 
 def forward_backward(f):
@@ -122,7 +114,7 @@ def bench_point(name: str, T: int, mesh, link, dispatches, iterations: int, dtyp
     ids = np.asarray(jax.jit(lambda x, r: route(layer.router_logits(x, r), K).ids)(x, router))
 
     one_args = tuple(jax.device_put(a, jax.devices()[0]) for a in (x[:T], router, w_in, w_out))
-    one = one_device_layer(K)
+    one = layer_fn("ours", K)  # route + moe_mlp
     one_fwd = wall_us(jax.jit(one), *one_args, iterations=iterations)
     one_fwd_bwd = wall_us(forward_backward(one), *one_args, iterations=iterations)
     del one_args
