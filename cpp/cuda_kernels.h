@@ -29,4 +29,10 @@ cudaError_t unpermute_bwd(const UnpermuteBwdArgs& a, cudaStream_t stream);
 // route's choice and gates in one launch, a warp per token.
 cudaError_t router(const RouterArgs& a, cudaStream_t stream);
 
+// The router's product and route in one launch for a few tokens (sm_90: a thread-block cluster
+// splits H and adds its partial logits in distributed shared memory). router_hidden_fits says
+// whether the kernel takes these sizes.
+bool router_hidden_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t num_groups);
+cudaError_t router_hidden(const RouterHiddenArgs& a, cudaStream_t stream);
+
 }  // namespace moe::cuda

@@ -86,6 +86,33 @@ ffi::Error RouterCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ff
   return cuda_error(cuda::router(a, stream), "router");
 }
 
+ffi::Error RouterHiddenCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                            int64_t top_k, int64_t scoring, int64_t renormalize, int64_t num_groups,
+                            int64_t topk_groups, int64_t has_bias, float scale, ffi::Result<ffi::AnyBuffer> logits,
+                            ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+  RouterHiddenArgs a;
+  if (auto err = decode_router(*logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, has_bias, scale,
+                               *weights, *ids, &a.route);
+      !err.success())
+    return err;
+  const auto dtype = float_dtype(x.element_type());
+  if (x.dimensions().size() != 2 || weight.dimensions().size() != 2 || logits->element_type() != ffi::F32)
+    return invalid("router_hidden expects x [T,H], weight [H,E] and float32 logits [T,E]");
+  const int64_t T = x.dimensions()[0], H = x.dimensions()[1], E = a.route.experts;
+  if (T != a.route.tokens || weight.dimensions()[0] != H || weight.dimensions()[1] != E)
+    return invalid("router_hidden: x, weight and logits are not [T,H], [H,E] and [T,E]");
+  if (!dtype || (*dtype != Dtype::kBF16 && *dtype != Dtype::kF16) || weight.element_type() != x.element_type())
+    return invalid("router_hidden: x and weight must both be bfloat16 or float16");
+  if (!cuda::router_hidden_fits(T, H, E, num_groups))
+    return invalid("router_hidden: the kernel does not take these sizes (E a multiple of 8 in [8, 256])");
+  a.x = x.untyped_data();
+  a.weight = weight.untyped_data();
+  a.dtype = *dtype;
+  a.hidden = H;
+  a.logits = static_cast<float*>(logits->untyped_data());
+  return cuda_error(cuda::router_hidden(a, stream), "router_hidden");
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -102,4 +129,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGradCuda, moe::WeightGradCuda, MOE_CUDA_B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteBwdCuda, moe::UnpermuteBwdCuda, MOE_CUDA_BINDING(moe::bind_unpermute_bwd),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterCuda, moe::RouterCuda, MOE_CUDA_BINDING(moe::bind_router),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterHiddenCuda, moe::RouterHiddenCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // weight
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("scoring")
+                                  .Attr<int64_t>("renormalize")
+                                  .Attr<int64_t>("num_groups")
+                                  .Attr<int64_t>("topk_groups")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<float>("scale")
+                                  .Ret<xla::ffi::AnyBuffer>()  // logits
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+                                  .Ret<moe::I32Buffer>(),  // ids
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -16,4 +16,5 @@ XLA_FFI_Error* MoeScatterCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeWeightGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeUnpermuteBwdCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRouterCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeRouterHiddenCuda(XLA_FFI_CallFrame* call_frame);
 }

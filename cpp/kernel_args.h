@@ -90,4 +90,12 @@ struct RouterArgs {
   float* weights; int32_t* ids;                         // [T, K]
 };
 
+// logits = x · weight in float32, then route them (RouterArgs, whose logits field is unused).
+struct RouterHiddenArgs {
+  const void* x; const void* weight; Dtype dtype;       // x [T, H], weight [H, E]: bfloat16 or float16
+  int64_t hidden;
+  float* logits;                                        // [T, E]
+  RouterArgs route;
+};
+
 }  // namespace moe

@@ -34,6 +34,7 @@ NB_MODULE(_cuda, m) {
     d["weight_grad"] = moe::capsule(MoeWeightGradCuda);
     d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);
     d["router"] = moe::capsule(MoeRouterCuda);
+    d["router_hidden"] = moe::capsule(MoeRouterHiddenCuda);
 #ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
     d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
@@ -48,6 +49,7 @@ NB_MODULE(_cuda, m) {
   m.def("unpermute_bwd_workspace_bytes", [](int64_t batch, int64_t /*entries*/, int64_t rows) {
     return moe::cuda::unpermute_bwd_workspace_bytes(batch, rows);
   });
+  m.def("router_hidden_fits", &moe::cuda::router_hidden_fits);
   m.def("scatter_workspace_bytes", [](int64_t batch, int64_t entries, int64_t rows) {
     return workspace_bytes(moe::cuda::scatter_workspace_bytes, batch, entries, rows);
   });

@@ -9,14 +9,17 @@
 // The float32 formulas are the ones XLA runs for the jnp route (softmax as exp(x - max) times the
 // reciprocal of the sum, sigmoid as 1 / (1 + exp(-x)), expf as XLA's libdevice exp), so that equal
 // logits give equal scores and ties fall to the lower expert as in top_k.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "cuda_check.h"
 #include "cuda_common.cuh"
 #include "cuda_kernels.h"
+#include "gemm/decode_common.cuh"
 #include "kernel_args.h"
 
 namespace moe::cuda {
@@ -80,97 +83,103 @@ __device__ void keep_best_groups(const RouterArgs& a, int lane, float* choice_ro
   __syncwarp();  // the staged row is rewritten by the warp's next token
 }
 
+// Routes token t from its row of E logits (any float type, global or shared memory); one warp.
+// The grouped choice stages the row in choice_row [E] and uses group_score and kept [num_groups].
+template <typename L, int kSlots>
+__device__ __forceinline__ void route_token(const RouterArgs& a, int lane, int64_t t, const L* row, float* choice_row,
+                                            float* group_score, int32_t* kept) {
+  const int32_t E = static_cast<int32_t>(a.experts), K = static_cast<int32_t>(a.topk);
+  float score[kSlots], choice[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) score[j] = lane + 32 * j < E ? to_f32(row[lane + 32 * j]) : -INFINITY;
+  if (a.scoring == Scoring::kSoftmax) {
+    float peak = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) peak = fmaxf(peak, score[j]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(kFull, peak, offset));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      score[j] = lane + 32 * j < E ? expf(score[j] - peak) : 0.0f;
+      sum += score[j];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFull, sum, offset);
+    const float inverse = 1.0f / sum;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) score[j] *= inverse;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) score[j] = 1.0f / (1.0f + expf(-score[j]));
+  }
+  const float* bias = a.bias == nullptr ? nullptr : a.bias + t * a.bias_rstride;
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j)
+    choice[j] = bias != nullptr && lane + 32 * j < E ? score[j] + bias[lane + 32 * j] : score[j];
+  if (a.num_groups > 0) keep_best_groups<kSlots>(a, lane, choice_row, group_score, kept, choice);
+  int32_t key[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) key[j] = order_key(choice[j]);
+
+  // K rounds of a warp argmax; lane k % 32 keeps round k's result in slot k / 32.
+  uint32_t taken = 0;  // bit j: this lane's expert lane + 32 j is chosen already
+  float picked_w[kSlots];
+  int32_t picked_id[kSlots];
+  float sum = 0.0f;
+  for (int32_t k = 0; k < K; ++k) {
+    int32_t best_key = kLowestKey, best = INT32_MAX;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const int32_t e = lane + 32 * j;
+      if (e < E && !(taken >> j & 1) && ranks_before(key[j], e, best_key, best)) {
+        best_key = key[j];
+        best = e;
+      }
+    }
+    // The warp's best: the largest key, then the lowest expert holding it (two warp reductions,
+    // in place of a five-step shuffle tree over (key, expert) pairs).
+    const int32_t top_key = __reduce_max_sync(kFull, best_key);
+    best = __reduce_min_sync(kFull, best_key == top_key ? best : INT32_MAX);
+    const int owner = best % 32, slot = best / 32;
+    float own = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j)
+      if (j == slot) own = score[j];
+    if (lane == owner) taken |= 1u << slot;
+    const float w = __shfl_sync(kFull, own, owner);
+    sum += w;
+    if (lane == k % 32) {
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j)
+        if (j == k / 32) {
+          picked_w[j] = w;
+          picked_id[j] = best;
+        }
+    }
+  }
+  // DeepSeek-V3 adds 1e-20 to the sigmoid sum (its scores can all be tiny); softmax ones cannot.
+  const float denominator = sum + (a.scoring == Scoring::kSigmoid ? 1e-20f : 0.0f);
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    const int32_t k = lane + 32 * j;
+    if (k < K) {
+      a.weights[t * K + k] = (a.renormalize ? picked_w[j] / denominator : picked_w[j]) * a.scale;
+      a.ids[t * K + k] = picked_id[j];
+    }
+  }
+}
+
 template <typename L, int kSlots>
 __global__ void __launch_bounds__(kRouterThreads) router_kernel(RouterArgs a) {
   extern __shared__ float staging[];  // grouped choice only: per warp E + 2 * num_groups words
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int32_t E = static_cast<int32_t>(a.experts), K = static_cast<int32_t>(a.topk);
-  const int64_t per_warp = E + 2 * a.num_groups;
+  const int64_t per_warp = a.experts + 2 * a.num_groups;
   float* choice_row = staging + warp * per_warp;
-  float* group_score = choice_row + E;
+  float* group_score = choice_row + a.experts;
   int32_t* kept = reinterpret_cast<int32_t*>(group_score + a.num_groups);
-  for (int64_t t = int64_t{blockIdx.x} * kWarps + warp; t < a.tokens; t += int64_t{gridDim.x} * kWarps) {
-    const L* row = static_cast<const L*>(a.logits) + t * E;
-    float score[kSlots], choice[kSlots];
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) score[j] = lane + 32 * j < E ? to_f32(row[lane + 32 * j]) : -INFINITY;
-    if (a.scoring == Scoring::kSoftmax) {
-      float peak = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) peak = fmaxf(peak, score[j]);
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(kFull, peak, offset));
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) {
-        score[j] = lane + 32 * j < E ? expf(score[j] - peak) : 0.0f;
-        sum += score[j];
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFull, sum, offset);
-      const float inverse = 1.0f / sum;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) score[j] *= inverse;
-    } else {
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) score[j] = 1.0f / (1.0f + expf(-score[j]));
-    }
-    const float* bias = a.bias == nullptr ? nullptr : a.bias + t * a.bias_rstride;
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j)
-      choice[j] = bias != nullptr && lane + 32 * j < E ? score[j] + bias[lane + 32 * j] : score[j];
-    if (a.num_groups > 0) keep_best_groups<kSlots>(a, lane, choice_row, group_score, kept, choice);
-    int32_t key[kSlots];
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) key[j] = order_key(choice[j]);
-
-    // K rounds of a warp argmax; lane k % 32 keeps round k's result in slot k / 32.
-    uint32_t taken = 0;  // bit j: this lane's expert lane + 32 j is chosen already
-    float picked_w[kSlots];
-    int32_t picked_id[kSlots];
-    float sum = 0.0f;
-    for (int32_t k = 0; k < K; ++k) {
-      int32_t best_key = kLowestKey, best = INT32_MAX;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) {
-        const int32_t e = lane + 32 * j;
-        if (e < E && !(taken >> j & 1) && ranks_before(key[j], e, best_key, best)) {
-          best_key = key[j];
-          best = e;
-        }
-      }
-      // The warp's best: the largest key, then the lowest expert holding it (two warp reductions,
-      // in place of a five-step shuffle tree over (key, expert) pairs).
-      const int32_t top_key = __reduce_max_sync(kFull, best_key);
-      best = __reduce_min_sync(kFull, best_key == top_key ? best : INT32_MAX);
-      const int owner = best % 32, slot = best / 32;
-      float own = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j)
-        if (j == slot) own = score[j];
-      if (lane == owner) taken |= 1u << slot;
-      const float w = __shfl_sync(kFull, own, owner);
-      sum += w;
-      if (lane == k % 32) {
-#pragma unroll
-        for (int j = 0; j < kSlots; ++j)
-          if (j == k / 32) {
-            picked_w[j] = w;
-            picked_id[j] = best;
-          }
-      }
-    }
-    // DeepSeek-V3 adds 1e-20 to the sigmoid sum (its scores can all be tiny); softmax ones cannot.
-    const float denominator = sum + (a.scoring == Scoring::kSigmoid ? 1e-20f : 0.0f);
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      const int32_t k = lane + 32 * j;
-      if (k < K) {
-        a.weights[t * K + k] = (a.renormalize ? picked_w[j] / denominator : picked_w[j]) * a.scale;
-        a.ids[t * K + k] = picked_id[j];
-      }
-    }
-  }
+  for (int64_t t = int64_t{blockIdx.x} * kWarps + warp; t < a.tokens; t += int64_t{gridDim.x} * kWarps)
+    route_token<L, kSlots>(a, lane, t, static_cast<const L*>(a.logits) + t * a.experts, choice_row, group_score, kept);
 }
 
 template <typename L, int kSlots>
@@ -192,6 +201,217 @@ cudaError_t launch_for_experts(const RouterArgs& a, cudaStream_t stream) {
   return launch_router<L, 32>(a, stream);
 }
 
+// ---- router_hidden: the router's product and route in one launch ------------------------------
+// For a few tokens the product x [T, H] · weight [H, E] is a weight read of H x E elements, too
+// small for a GEMM and, as an XLA dot, several microseconds of launches. One thread-block cluster
+// per group of kTokens tokens splits H into one row range per block. A thread streams 16 bytes of
+// a row (8 experts) and keeps kTokens x 8 float32 sums; the block adds its threads' sums in a fixed
+// order. Then, with no global round trip, block t of the cluster adds token t's partials from every
+// block's shared memory (in rank order: bitwise reproducible), writes the logits and routes them
+// with route_token. Grid and cluster depend on the shapes only (graph safe); no workspace.
+constexpr int kHiddenThreads = 256;
+constexpr int kHiddenBatch = 8;         // rows a thread loads per step (two steps in flight)
+constexpr int kHiddenMaxCluster = 16;   // blocks of a cluster (16: the non-portable size on sm_90)
+constexpr int kHiddenMinRows = 64;      // rows per block at least
+constexpr int kHiddenMaxSlots = 8;      // E <= 256
+constexpr int64_t kHiddenMaxShared = 200 * 1024;
+
+// Thread-block clusters need sm_90; the device's major version, read once per call of the handler.
+int compute_capability_major() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return 0;
+  return major;
+}
+
+struct HiddenPlan {
+  int cluster = 1, tokens_per_group = 1;
+  int64_t span = 0;  // rows per block
+  int64_t part_floats = 0, red_floats = 0, xs_elems = 0, staging_floats = 0, shared_bytes = 0;
+};
+
+int64_t cdiv(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+HiddenPlan hidden_plan(int64_t tokens, int64_t hidden, int64_t experts, int64_t num_groups, int cluster) {
+  HiddenPlan p;
+  p.tokens_per_group = tokens <= 1 ? 1 : tokens <= 2 ? 2 : tokens <= 4 ? 4 : 8;
+  p.cluster = int(std::clamp<int64_t>(cdiv(hidden, kHiddenMinRows), 1, cluster));
+  p.span = cdiv(std::max<int64_t>(hidden, 1), p.cluster);
+  const int64_t cols = experts / gemm::decode::kVec, rows_per_pass = kHiddenThreads / std::max<int64_t>(cols, 1);
+  p.part_floats = p.tokens_per_group * experts;
+  p.red_floats = rows_per_pass * p.tokens_per_group * experts;
+  p.xs_elems = p.tokens_per_group * (p.span + p.span % 2);  // 2-byte elements, an even count
+  p.staging_floats = experts + 2 * num_groups;
+  p.shared_bytes = 4 * (p.part_floats + p.red_floats + p.staging_floats) + 2 * p.xs_elems;
+  return p;
+}
+
+template <typename X, int kTokens, int kSlots>
+__global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHiddenArgs a, HiddenPlan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  using gemm::decode::kVec;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
+  const RouterArgs& r = a.route;
+  const int64_t H = a.hidden, E = r.experts;
+  const int64_t t0 = int64_t{blockIdx.y} * kTokens;
+  const int tokens = int(std::min<int64_t>(kTokens, r.tokens - t0));
+  const int cols = int(E / kVec), rows_per_pass = kHiddenThreads / cols;
+  const int col = threadIdx.x % cols, lane_row = threadIdx.x / cols;
+  const bool active = lane_row < rows_per_pass;
+  const int64_t span = plan.span, h0 = std::min(H, rank * span), h1 = std::min(H, h0 + span);
+
+  extern __shared__ float4 shared_words[];
+  float* part = reinterpret_cast<float*>(shared_words);  // [kTokens, E]: this block's sums
+  float* red = part + plan.part_floats;                  // [rows_per_pass, kTokens, E]; then a logits row
+  float* staging = red + plan.red_floats;                // route_token's grouped-choice rows
+  X* xs = reinterpret_cast<X*>(staging + plan.staging_floats);  // [kTokens, span]: the block's slice of x
+
+  const X* w = static_cast<const X*>(a.weight) + col * kVec;
+  const int64_t step = int64_t{kHiddenBatch} * rows_per_pass;
+  auto load = [&](int64_t h, uint4 (&wv)[kHiddenBatch]) {
+#pragma unroll
+    for (int u = 0; u < kHiddenBatch; ++u) {
+      const int64_t k = h + u * rows_per_pass;
+      wv[u] = active && k < h1 ? gemm::decode::load_stream(w + k * E) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 wv[kHiddenBatch];
+  load(h0 + lane_row, wv);  // the weight read starts before x is staged
+  const X* x = static_cast<const X*>(a.x);
+  for (int64_t i = threadIdx.x; i < kTokens * span; i += kHiddenThreads) {
+    const int t = int(i / span);
+    const int64_t k = i - t * span;
+    xs[i] = t < tokens && h0 + k < h1 ? x[(t0 + t) * H + h0 + k] : X(0.0f);
+  }
+  __syncthreads();
+
+  float acc[kTokens][kVec] = {};
+  if (active) {
+#pragma unroll 1
+    for (int64_t h = h0 + lane_row; h < h1; h += step) {
+      uint4 next[kHiddenBatch];
+      load(h + step, next);
+#pragma unroll
+      for (int u = 0; u < kHiddenBatch; ++u) {
+        const int64_t k = h + u * rows_per_pass;
+        if (k >= h1) break;
+        float wf[kVec];
+        gemm::decode::to_float8<X>(wv[u], wf);
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) {
+          const float v = to_f32(xs[t * span + (k - h0)]);
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) acc[t][c] = fmaf(v, wf[c], acc[t][c]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kHiddenBatch; ++u) wv[u] = next[u];
+    }
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) red[(int64_t(lane_row) * kTokens + t) * E + col * kVec + c] = acc[t][c];
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < kTokens * E; j += kHiddenThreads) {  // the block's rows, in order
+    float sum = 0.0f;
+    for (int q = 0; q < rows_per_pass; ++q) sum += red[q * kTokens * E + j];
+    part[j] = sum;
+  }
+  cluster.sync();  // every block's part is complete
+
+  // Block t % blocks finishes token t: the blocks' parts in rank order, then the route.
+  float* row = red;
+  for (int t = rank; t < tokens; t += blocks) {
+    for (int64_t e = threadIdx.x; e < E; e += kHiddenThreads) {
+      float sum = 0.0f;
+      for (int q = 0; q < blocks; ++q) sum += cluster.map_shared_rank(part, q)[t * E + e];
+      row[e] = sum;
+      a.logits[(t0 + t) * E + e] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32)
+      route_token<float, kSlots>(r, int(threadIdx.x), t0 + t, row, staging, staging + E,
+                                 reinterpret_cast<int32_t*>(staging + E + r.num_groups));
+    __syncthreads();  // the row is rewritten by the block's next token
+  }
+  cluster.sync();  // a block's shared memory outlives the other blocks' reads of it
+#endif
+}
+
+// The cluster size the device takes for this kernel: kHiddenMaxCluster where it fits, else 8.
+template <typename Kernel>
+int cluster_size_for(Kernel kernel, const HiddenPlan& plan, cudaStream_t stream) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 8;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kHiddenMaxCluster, 1);
+  config.blockDim = dim3(kHiddenThreads);
+  config.dynamicSmemBytes = size_t(plan.shared_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kHiddenMaxCluster;
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+    (void)cudaGetLastError();
+    return 8;
+  }
+  return kHiddenMaxCluster;
+}
+
+template <typename X, int kTokens, int kSlots>
+cudaError_t launch_router_hidden(const RouterHiddenArgs& a, cudaStream_t stream) {
+  auto kernel = router_hidden_kernel<X, kTokens, kSlots>;
+  const RouterArgs& r = a.route;
+  HiddenPlan plan = hidden_plan(r.tokens, a.hidden, r.experts, r.num_groups, kHiddenMaxCluster);
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.shared_bytes)));
+  if (plan.cluster > 8) {
+    const int most = cluster_size_for(kernel, plan, stream);
+    if (most < plan.cluster) plan = hidden_plan(r.tokens, a.hidden, r.experts, r.num_groups, most);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.cluster), unsigned(cdiv(r.tokens, kTokens)));
+  config.blockDim = dim3(kHiddenThreads);
+  config.dynamicSmemBytes = size_t(plan.shared_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(plan.cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  MOE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a, plan));
+  return cudaGetLastError();
+}
+
+template <typename X, int kTokens>
+cudaError_t router_hidden_for_experts(const RouterHiddenArgs& a, cudaStream_t stream) {
+  const int64_t slots = (a.route.experts + 31) / 32;
+  if (slots <= 1) return launch_router_hidden<X, kTokens, 1>(a, stream);
+  if (slots <= 2) return launch_router_hidden<X, kTokens, 2>(a, stream);
+  if (slots <= 4) return launch_router_hidden<X, kTokens, 4>(a, stream);
+  return launch_router_hidden<X, kTokens, 8>(a, stream);
+}
+
+template <typename X>
+cudaError_t router_hidden_for_tokens(const RouterHiddenArgs& a, cudaStream_t stream) {
+  switch (hidden_plan(a.route.tokens, a.hidden, a.route.experts, a.route.num_groups, 1).tokens_per_group) {
+    case 1: return router_hidden_for_experts<X, 1>(a, stream);
+    case 2: return router_hidden_for_experts<X, 2>(a, stream);
+    case 4: return router_hidden_for_experts<X, 4>(a, stream);
+    default: return router_hidden_for_experts<X, 8>(a, stream);
+  }
+}
+
 }  // namespace
 
 cudaError_t router(const RouterArgs& a, cudaStream_t stream) {
@@ -203,6 +423,20 @@ cudaError_t router(const RouterArgs& a, cudaStream_t stream) {
     case Dtype::kF16: return launch_for_experts<__half>(a, stream);
     default: return launch_for_experts<float>(a, stream);
   }
+}
+
+bool router_hidden_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t num_groups) {
+  if (experts < 8 || experts % gemm::decode::kVec != 0 || experts > 32 * kHiddenMaxSlots || hidden < 1) return false;
+  // The plan with the smallest cluster the launch may fall back to needs the most shared memory.
+  return hidden_plan(tokens, hidden, experts, num_groups, 8).shared_bytes <= kHiddenMaxShared;
+}
+
+cudaError_t router_hidden(const RouterHiddenArgs& a, cudaStream_t stream) {
+  if (a.route.tokens == 0) return cudaSuccess;
+  if (!router_hidden_fits(a.route.tokens, a.hidden, a.route.experts, a.route.num_groups)) return cudaErrorInvalidValue;
+  if (compute_capability_major() < 9) return cudaErrorNotSupported;  // clusters
+  return a.dtype == Dtype::kBF16 ? router_hidden_for_tokens<__nv_bfloat16>(a, stream)
+                                 : router_hidden_for_tokens<__half>(a, stream);
 }
 
 }  // namespace moe::cuda

@@ -8,8 +8,8 @@ from . import parallel, reference
 from .grouped_gemm import ragged_dot
 from .layer import moe_mlp
 from .ops import PermuteResult, moe_permute, moe_unpermute
-from .routing import RouterAux, Routing, balance_bias, route
+from .routing import RouterAux, Routing, balance_bias, route, route_tokens
 
 __all__ = ["PermuteResult", "RouterAux", "Routing", "balance_bias", "moe_mlp", "moe_permute", "moe_unpermute",
-           "parallel", "ragged_dot", "reference", "route"]
+           "parallel", "ragged_dot", "reference", "route", "route_tokens"]
 __version__ = "0.1.0"

@@ -64,3 +64,8 @@ def target(op: str) -> str:
 def workspace_bytes(platform: str, op: str, *sizes: int) -> int:
     """Bytes of scratch the `op` kernel of `platform` needs (passed as an extra FFI result)."""
     return int(getattr(_MODULES[platform], f"{op}_workspace_bytes")(*sizes))
+
+
+def kernel_fits(platform: str, op: str, *sizes: int) -> bool:
+    """Whether the `op` kernel of `platform` takes these sizes (its launcher's own rule)."""
+    return bool(getattr(_MODULES[platform], f"{op}_fits")(*sizes))

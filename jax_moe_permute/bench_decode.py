@@ -6,8 +6,9 @@ same stack in pure JAX, and against the time to read the weights it routes to.
 
 The step is one `jax.jit` of a `lax.scan` over stacked per-layer weights (router [L, H, E],
 w_in [L, E, H, 2F], w_out [L, E, F, H], bf16; DeepSeek-V3 also a selection bias [L, E]), each
-layer `x = x + moe_mlp(x, r.weights, r.ids, w_in, w_out)` with `r = route(router_logits(x,
-router), K, ...)` and the model's routing (MODELS). The pure-JAX stack is the same scan with
+layer `x = x + moe_mlp(x, r.weights, r.ids, w_in, w_out)` with `r = route_tokens(x, router, K,
+...)` (`route(router_logits(x, router), K, ...)`, one launch at decode sizes on sm_90) and the
+model's routing (MODELS). The pure-JAX stack is the same scan with
 `layer.reference_moe_mlp` (argsort + take, jax.lax.ragged_dot, gather + weighted sum).
 
 wall_us: median wall clock of a step (each `block_until_ready`) over --steps steps after
@@ -21,7 +22,10 @@ layers, plus the routers' bytes; bound_us reads them at the run's large-copy cei
 (bench_timing.jitted_copy_tbps: what XLA's own kernels reach). speedup: pure JAX's time over
 ours. temp_bytes etc.: `compiled.memory_analysis()`, the memory the step needs beyond its
 arguments (the weights). custom_calls, command_buffers, loop_in_command_buffer, body_thunks:
-read off the compiled step's optimized HLO (`compiled.as_text()`; hlo_stats).
+read off the compiled step's optimized HLO (`compiled.as_text()`; hlo_stats). graph_launches,
+kernel_launches: per step, the CUDA graph launches and the kernel launches made outside graphs, as
+CUPTI records the host's driver calls in a jax.profiler trace (launch_counts; GPU only): whether
+XLA replays the step as command buffers, whatever its HLO shows.
 
 DeepSeek-V3 runs as many layers as fit in the device's free memory with headroom (printed);
 Mixtral's 32 layers are about 90 GB, Qwen3's 48 about 58 GB. The weights are drawn on the
@@ -32,9 +36,13 @@ None ("OOM"). On CPU the default model is "tiny" ("tiny_grouped": DeepSeek-V3's 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import math
+import os
 import re
 import statistics
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -45,7 +53,7 @@ import numpy as np
 from . import layer
 from .bench_timing import (cell, copy_ceiling_tbps, device_us, jitted_copy_tbps, none_if_out_of_memory, on_gpu,
                            progress, ratio, save_rows)
-from .routing import route
+from .routing import route_tokens
 
 OPS = ("decode",)
 IMPLS = ("ours", "pure_jax")
@@ -144,7 +152,7 @@ def moe_block(impl: str, model: DecodeModel):
     mlp = layer.moe_mlp if impl == "ours" else layer.reference_moe_mlp
 
     def block(x, p):
-        r = route(layer.router_logits(x, p["router"]), model.top_k, bias=p.get("bias"), **model.routing)
+        r = route_tokens(x, p["router"], model.top_k, bias=p.get("bias"), **model.routing)
         return x + mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
 
     return block
@@ -248,6 +256,31 @@ def hlo_stats(text: str) -> dict:
                 body_command_buffer_calls=body_calls if body else None)
 
 
+GRAPH_LAUNCH = re.compile(r"graph.?launch", re.IGNORECASE)  # cuGraphLaunch (CUPTI's driver API events)
+KERNEL_LAUNCH = re.compile(r"launch.?kernel", re.IGNORECASE)  # cuLaunchKernel, cuLaunchKernelEx
+
+
+def launch_counts(compiled, x, params, steps: int = 3) -> dict:
+    """What the host does per step, from a jax.profiler trace of `steps` steps: CUDA graph launches
+    (XLA's command buffers replayed) and kernel launches made one by one (outside any graph), as
+    CUPTI records the driver calls; None off the GPU (no such events)."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(compiled(x, params))
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for _ in range(steps):
+                jax.block_until_ready(compiled(x, params))
+        paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+        names = collections.Counter(event.name for path in paths for plane in ProfileData.from_file(path).planes
+                                    for line in plane.lines for event in line.events)
+    graphs = sum(n for name, n in names.items() if GRAPH_LAUNCH.search(name))
+    kernels = sum(n for name, n in names.items() if KERNEL_LAUNCH.search(name))
+    if not on_gpu():
+        return dict(graph_launches=None, kernel_launches=None)
+    return dict(graph_launches=graphs / steps, kernel_launches=kernels / steps)
+
+
 @none_if_out_of_memory
 def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup: int, iterations: int,
             unroll: int = 1) -> dict:
@@ -256,6 +289,7 @@ def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup:
     out = dict(compiled_memory(compiled), **hlo_stats(compiled.as_text()))
     out["wall_us"] = wall_us(compiled, xs, params, steps, warmup)
     out["device_us"] = device_us_or_note(compiled, xs[0], params, iterations=iterations)
+    out.update(launch_counts(compiled, xs[0], params))
     return out
 
 
@@ -292,13 +326,14 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
             speedup_device=ratio(theirs.get("device_us"), mine.get("device_us")) if impl == "ours" else None,
             **{k: got.get(k) for k in ("temp_bytes", "output_bytes", "alias_bytes", "argument_bytes", "code_bytes",
                                        "extra_bytes", "custom_calls", "command_buffers", "loop_in_command_buffer",
-                                       "body_thunks", "body_command_buffer_calls")}))
+                                       "body_thunks", "body_command_buffer_calls", "graph_launches",
+                                       "kernel_launches")}))
     return rows
 
 
 HEADER = (f"{'model':12} {'T':>4} {'impl':8} {'L':>3} {'wall us':>10} {'dev us':>10} {'bound us':>9} "
           f"{'wall/bnd':>8} {'dev/bnd':>7} {'wall/jbnd':>9} {'dev/jbnd':>8} {'x JAX':>6} {'x JAX dev':>9} "
-          f"{'temp MiB':>8} {'ccalls':>6} {'body':>5} {'cmdbuf':>6} {'loop cb':>7}")
+          f"{'temp MiB':>8} {'ccalls':>6} {'body':>5} {'cmdbuf':>6} {'loop cb':>7} {'graphs':>6} {'kernels':>7}")
 
 
 def format_row(r) -> str:
@@ -311,7 +346,7 @@ def format_row(r) -> str:
             f"{cell(r['wall_over_jit_bound'], '9.2f')} {cell(r['device_over_jit_bound'], '8.2f')} "
             f"{cell(r['speedup_wall'], '6.2f')} {cell(r['speedup_device'], '9.2f')} {cell(temp, '8.1f')} "
             f"{cell(r['custom_calls'], '6d')} {cell(r['body_thunks'], '5d')} {cell(r['command_buffers'], '6d')} "
-            f"{loop_cb:>7}")
+            f"{loop_cb:>7} {cell(r['graph_launches'], '6.0f')} {cell(r['kernel_launches'], '7.0f')}")
 
 
 def format_table(rows) -> str:

@@ -101,7 +101,7 @@ _lower_ref_ragged_dot_wgrad = mlir.lower_fun(_ref_ragged_dot_wgrad, multiple_res
 # ---- CUDA lowering: our FFI targets on sm_90 -------------------------------------------------
 
 @functools.cache
-def _gpu_is_sm90() -> bool:
+def gpu_is_sm90() -> bool:
     """Whether the first GPU is a Hopper (sm_90): the CUTLASS units are built for sm_90a only."""
     try:
         return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
@@ -111,7 +111,7 @@ def _gpu_is_sm90() -> bool:
 
 def kernels_available() -> bool:
     """Whether ragged_dot runs on our grouped GEMM here (else it lowers to jax.lax.ragged_dot)."""
-    return _native.has_target("cuda", "ragged_dot") and _gpu_is_sm90()
+    return _native.has_target("cuda", "ragged_dot") and gpu_is_sm90()
 
 
 def _kernel_fits(avals_in, aval_out, k: int, n: int) -> bool:

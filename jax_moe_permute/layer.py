@@ -14,6 +14,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import decode_mlp, ops, primitives
 from .grouped_gemm import ragged_dot
+from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
 
 # name: (activation applied to the gate half, gated). Gated ones split w_in's output into
@@ -272,18 +273,6 @@ def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, me
 def shared_mlp(x, w_in, w_out, activation):
     """The always-on shared experts: a dense MLP, x [T, H] @ w_in [H, 2SF] -> act -> @ w_out."""
     return apply_activation(x @ w_in, activation) @ w_out
-
-
-def router_logits(x, router):
-    """[T, H] @ [H, E] -> float32 logits, for the float32 router math that follows.
-
-    The product runs in x's dtype and accumulates in float32: a bf16 layer gets a bf16 tensor-core
-    GEMM (as Mixtral's and Qwen3's bf16 router Linear); a float32 product at full precision costs
-    4-10% of a bf16 layer's time on the DeepSeek-V3 and Qwen3 shapes. A float32 layer keeps full
-    float32 precision."""
-    full = jnp.dtype(x.dtype) == jnp.float32
-    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision)
 
 
 def reference_moe_mlp(x, weights, ids, w_in, w_out, *, activation: str = "swiglu") -> jax.Array:

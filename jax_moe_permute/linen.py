@@ -79,9 +79,9 @@ class MoE(nn.Module):
         lead = x.shape[:-1]
         dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
         x2 = x.reshape(-1, H).astype(dtype)
-        r = routing.route(layer.router_logits(x2, router), self.top_k, scoring=self.scoring,
-                          renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
-                          topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
+        r = routing.route_tokens(x2, router, self.top_k, scoring=self.scoring,
+                                 renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
+                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
         for name, value in r.aux._asdict().items():
             self.sow("intermediates", name, value)
         w_in, w_out = w_in.astype(dtype), w_out.astype(dtype)

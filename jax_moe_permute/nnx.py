@@ -112,9 +112,9 @@ class MoE(nnx.Module):
         dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
         x2 = x.reshape(-1, self.hidden_size).astype(dtype)
         bias = self.router_bias[...] if self.scoring == "sigmoid" else None
-        r = routing.route(layer.router_logits(x2, self.router[...]), self.top_k, scoring=self.scoring,
-                          renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
-                          topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
+        r = routing.route_tokens(x2, self.router[...], self.top_k, scoring=self.scoring,
+                                 renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
+                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
         for name, value in r.aux._asdict().items():
             _compat.nnx_sow(self, nnx.Intermediate, name, value)
         w_in, w_out = self.w_in[...].astype(dtype), self.w_out[...].astype(dtype)

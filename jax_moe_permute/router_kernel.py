@@ -10,6 +10,14 @@ axis here: vmap folds its axis into T and sharded jit partitions along T. On CPU
 our kernel (E <= MAX_EXPERTS); elsewhere the jnp math. Its JVP is the jnp gates' tangent with the
 ids held fixed: gradients reach the router through the weights, the choice is not differentiated.
 The absent bias is a [1, 1] placeholder flagged by has_bias.
+
+  moe_router_hidden  (x [T, H], router [H, E] in x's dtype, bias) -> (logits [T, E] float32, weights, ids)
+
+is the router's product and that choice in one: (router_logits(x, router), *moe_router(logits)).
+For a few bf16 / f16 tokens on sm_90 it is one launch (cpp/router.cu, router_hidden: a
+thread-block cluster splits H and adds its partial logits in distributed shared memory), where the
+product as an XLA dot costs more than the weight read; elsewhere that composition. Its ids and
+weights are moe_router's of the logits it returns (the same per-token routine), bitwise.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _native, reference
+from . import _native, gemm_primitives, reference
 from ._compat import lowers_for_many_devices, pvary_to_match, require_devices_at_lowering, shaped_like
 from .lowering import _batch_partitioned
 
@@ -136,3 +144,134 @@ for _platform in _native.platforms():
 batching.primitive_batchers[router_p] = _batch
 ad.primitive_jvps[router_p] = _jvp
 require_devices_at_lowering(router_p)
+
+
+# ---- the router's product ---------------------------------------------------------------------
+
+def router_logits(x, router):
+    """[T, H] @ [H, E] -> float32 logits, for the float32 router math that follows.
+
+    The product runs in x's dtype and accumulates in float32: a bf16 layer gets a bf16 tensor-core
+    GEMM (as Mixtral's and Qwen3's bf16 router Linear); a float32 product at full precision costs
+    4-10% of a bf16 layer's time on the DeepSeek-V3 and Qwen3 shapes. A float32 layer keeps full
+    float32 precision."""
+    full = jnp.dtype(x.dtype) == jnp.float32
+    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+    return jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision)
+
+
+# ---- moe_router_hidden: the product and the choice in one launch ------------------------------
+
+# route_tokens binds moe_router_hidden for T <= HIDDEN_MAX_TOKENS (the kernel's token groups of
+# up to 8 share one read of the router; more tokens are a GEMM's work); read at trace time.
+HIDDEN_MAX_TOKENS = 8
+_HIDDEN_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16)))
+
+router_hidden_p = Primitive("moe_router_hidden")
+router_hidden_p.multiple_results = True
+router_hidden_p.def_impl(jax.jit(router_hidden_p.bind, static_argnames=_PARAMS))
+
+
+def hidden_applies(x_shape, x_dtype, num_experts: int) -> bool:
+    """Whether route_tokens binds moe_router_hidden for these static shapes: bf16 / f16 tokens,
+    at most HIDDEN_MAX_TOKENS of them, E a multiple of 8 up to 256 (the kernel's; its lowering
+    takes the composition on other platforms)."""
+    T, H = x_shape
+    return (jnp.dtype(x_dtype) in _HIDDEN_DTYPES and 1 <= T <= HIDDEN_MAX_TOKENS and H >= 1
+            and num_experts % 8 == 0 and 8 <= num_experts <= 256)
+
+
+def router_hidden(x, router, bias, top_k: int, *, scoring: str, renormalize: bool, num_groups, topk_groups,
+                  routed_scaling_factor: float):
+    """(logits [T, E] float32, weights [T, K] float32, ids [T, K] int32) of x [T, H] and
+    router [H, E] (cast to x's dtype), bias None or [E]; arguments checked by route_tokens."""
+    E = router.shape[1]
+    has_bias = bias is not None
+    bias = (jax.lax.stop_gradient(bias).astype(jnp.float32).reshape(1, E) if has_bias
+            else jnp.zeros((1, 1), jnp.float32))
+    return router_hidden_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias), top_k=int(top_k),
+                                scoring=scoring, renormalize=bool(renormalize), num_groups=int(num_groups or 0),
+                                topk_groups=int(topk_groups or 0), scale=float(routed_scaling_factor),
+                                has_bias=has_bias)
+
+
+def _hidden_abstract(x, router, bias, **params):
+    (T, H), E = x.shape, router.shape[1]
+    if router.shape[0] != H:
+        raise ValueError(f"moe_router_hidden: router must have shape [{H}, E], got {tuple(router.shape)}")
+    if params["has_bias"] and (bias.shape[1] != E or bias.shape[0] not in (1, T)):
+        raise ValueError(f"moe_router_hidden: bias must have shape [1 or {T}, {E}], got {tuple(bias.shape)}")
+    avals, K = (x, router, bias), params["top_k"]
+    return [shaped_like(avals, (T, E), jnp.float32), shaped_like(avals, (T, K), jnp.float32),
+            shaped_like(avals, (T, K), jnp.int32)]
+
+
+def _hidden_composition(x, router, bias, **params):
+    logits = router_logits(x, router)
+    return [logits, *router_p.bind(logits, bias, **params)]
+
+
+def _hidden_kernel_fits(x, router, num_groups) -> bool:
+    (T, H), E = x.shape, router.shape[1]
+    return (gemm_primitives.gpu_is_sm90() and _native.has_target("cuda", "router_hidden")
+            and jnp.dtype(x.dtype) in _HIDDEN_DTYPES and router.dtype == x.dtype
+            and bool(_native.kernel_fits("cuda", "router_hidden", T, H, E, num_groups)))
+
+
+def _hidden_cuda_rule(ctx, x, router, bias, *, top_k, scoring, renormalize, num_groups, topk_groups, scale,
+                      has_bias):
+    params = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
+                  topk_groups=topk_groups, scale=scale, has_bias=has_bias)
+    x_aval, router_aval, _ = ctx.avals_in
+    if lowers_for_many_devices(ctx) or not _hidden_kernel_fits(x_aval, router_aval, num_groups):
+        return _lower_hidden_composition(ctx, x, router, bias, **params)
+    return jax.ffi.ffi_lowering(_native.target("router_hidden"))(
+        ctx, x, router, bias, top_k=np.int64(top_k), scoring=np.int64(_SCORING_CODES[scoring]),
+        renormalize=np.int64(renormalize), num_groups=np.int64(num_groups), topk_groups=np.int64(topk_groups),
+        has_bias=np.int64(has_bias), scale=np.float32(scale))
+
+
+def _hidden_batch(args, dims, **params):
+    """A vmapped axis of x folds into T; a batched router or bias runs the composition."""
+    x, router, bias = args
+    x_dim, router_dim, bias_dim = dims
+    if router_dim is not None or (params["has_bias"] and (bias_dim is not None or bias.shape[0] != 1)):
+        return jax.vmap(lambda *a: _hidden_composition(*a, **params), in_axes=dims)(*args), [0, 0, 0]
+    if bias_dim is not None:  # the placeholder
+        bias = jnp.take(bias, 0, axis=bias_dim)
+    x = jnp.moveaxis(x, x_dim, 0)
+    V, T = x.shape[:2]
+    outs = router_hidden_p.bind(x.reshape(V * T, x.shape[2]), router, bias, **params)
+    return [o.reshape(V, T, o.shape[1]) for o in outs], [0, 0, 0]
+
+
+def _hidden_jvp(primals, tangents, **params):
+    """The product's tangent, then the gates' at the logits with the ids held fixed."""
+    x, router, bias = primals
+    logits, weights, ids = router_hidden_p.bind(x, router, bias, **params)
+    d_x, d_router, _ = tangents
+    parts = []
+    if type(d_x) is not ad.Zero:
+        parts.append(router_logits(d_x, router))
+    if type(d_router) is not ad.Zero:
+        parts.append(router_logits(x, d_router))
+    ids_tangent = ad.Zero(core.ShapedArray(ids.shape, jax.dtypes.float0))
+    if not parts:
+        zero = lambda a: ad.Zero(core.ShapedArray(a.shape, a.dtype))
+        return [logits, weights, ids], [zero(logits), zero(weights), ids_tangent]
+    d_logits = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    gates = lambda z: reference.route_weights(z, ids, scoring=params["scoring"], renormalize=params["renormalize"],
+                                              routed_scaling_factor=params["scale"])
+    _, d_weights = jax.jvp(gates, (logits,), (d_logits,))
+    return [logits, weights, ids], [d_logits, d_weights, ids_tangent]
+
+
+_lower_hidden_composition = mlir.lower_fun(_hidden_composition, multiple_results=True)
+
+router_hidden_p.def_abstract_eval(_hidden_abstract)
+mlir.register_lowering(router_hidden_p, _lower_hidden_composition)
+if _native.has_target("cuda", "router_hidden"):
+    mlir.register_lowering(router_hidden_p, _hidden_cuda_rule, platform="cuda")
+batching.primitive_batchers[router_hidden_p] = _hidden_batch
+ad.primitive_jvps[router_hidden_p] = _hidden_jvp
+require_devices_at_lowering(router_hidden_p)  # its composition holds moe_router

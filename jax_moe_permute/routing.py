@@ -6,8 +6,9 @@ losses are sensitive to rounding, and the router is a negligible share of the la
 
 The choice and gates run as one kernel launch where it is built (CPU and CUDA, up to
 router_kernel.MAX_EXPERTS experts; router_kernel.py), the same jnp math as `reference_route`
-elsewhere. The auxiliary values are jnp from the logits and ids, so XLA drops them from programs
-that do not use them.
+elsewhere. `route_tokens` takes the tokens and the router weight instead of the logits, and for
+a decode step's few tokens runs the product too in that launch. The auxiliary values are jnp from
+the logits and ids, so XLA drops them from programs that do not use them.
 """
 
 from __future__ import annotations
@@ -142,17 +143,70 @@ def reference_route(
     return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, False)
 
 
+def route_tokens(
+    x: jax.Array,
+    router: jax.Array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    bias: Optional[jax.Array] = None,
+    num_groups: Optional[int] = None,
+    topk_groups: Optional[int] = None,
+    routed_scaling_factor: float = 1.0,
+) -> Routing:
+    """`route(router_logits(x, router), top_k, ...)`: the router's product and the choice.
+
+    For a few tokens (T <= router_kernel.HIDDEN_MAX_TOKENS, a decode step) of bfloat16 or float16
+    on sm_90, with E a multiple of 8 up to 256, both run as one kernel launch (the product as an
+    XLA dot would cost more than reading the router); otherwise exactly that composition. The
+    logits are float32 sums of x's dtype products in either case (the product's summation order
+    differs between the two, so logits agree to float32 rounding); the ids and weights are
+    `route`'s of those logits. Differentiable in x and router as the composition is.
+
+    Args:
+      x: [T, H] tokens, float.
+      router: [H, E] router weight (used in x's dtype, as router_logits does).
+      top_k and the keyword arguments: as `route`.
+
+    Returns Routing(weights [T, K] float32, ids [T, K] int32, aux RouterAux).
+    """
+    if not hasattr(x, "shape") or x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"route_tokens: x must be a float array of shape [T, H], got "
+                         f"{getattr(x, 'shape', type(x))} {getattr(x, 'dtype', '')}")
+    if (not hasattr(router, "shape") or router.ndim != 2 or router.shape[0] != x.shape[1]
+            or not jnp.issubdtype(router.dtype, jnp.floating)):
+        raise ValueError(f"route_tokens: router must be a float array of shape [H = {x.shape[1]}, E], got "
+                         f"{getattr(router, 'shape', type(router))} {getattr(router, 'dtype', '')}")
+    E = router.shape[1]
+    check_routing_args(E, top_k, scoring, num_groups, topk_groups)
+    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
+        raise ValueError(f"route_tokens: bias must have shape [{E}] (the number of experts), "
+                         f"got {getattr(bias, 'shape', type(bias))}")
+    if not router_kernel.hidden_applies(x.shape, x.dtype, E):
+        return route(router_kernel.router_logits(x, router), top_k, scoring=scoring, renormalize=renormalize,
+                     bias=bias, num_groups=num_groups, topk_groups=topk_groups,
+                     routed_scaling_factor=routed_scaling_factor)
+    logits, weights, ids = router_kernel.router_hidden(
+        x, router, bias, top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
+        topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor)
+    return Routing(weights, ids, _aux(logits, ids, scoring))
+
+
 def _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor,
            fused: bool) -> Routing:
-    T, E = logits.shape
     kw = dict(scoring=scoring, renormalize=renormalize, num_groups=num_groups, topk_groups=topk_groups,
               routed_scaling_factor=routed_scaling_factor)
     if fused:
         weights, ids = router_kernel.router(logits, bias, top_k, **kw)
     else:
         weights, ids = reference.route_topk(logits, top_k, bias=bias, **kw)
+    return Routing(weights, ids, _aux(logits, ids, scoring))
 
-    # The aux values, from the logits and ids: dead code unless a caller uses them.
+
+def _aux(logits, ids, scoring: str) -> RouterAux:
+    """The aux values, from the logits and ids: dead code unless a caller uses them."""
+    T, E = logits.shape
     logits = logits.astype(jnp.float32)
     scores = reference.router_scores(logits, scoring)
     probs = scores if scoring == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -162,7 +216,7 @@ def _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, r
     mean_prob = jnp.sum(probs, axis=0) / tokens
     load_balance = E * jnp.sum(fraction * mean_prob)
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
-    return Routing(weights, ids, RouterAux(load_balance, z_loss, counts))
+    return RouterAux(load_balance, z_loss, counts)
 
 
 def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3) -> jax.Array:

@@ -105,19 +105,19 @@ def test_large_batches_match_reference(T, H, E, K):
 
 
 # A decode step as serving code writes it: a jitted lax.scan over stacked layer weights, each
-# layer x + moe_mlp(x, route(x @ router)); replayed on new inputs in new buffers each call.
+# layer x + moe_mlp(x, route_tokens(x, router)); replayed on new inputs in new buffers each call.
 DECODE_STEP_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_moe_permute as jmp
-    from jax_moe_permute.layer import reference_moe_mlp, router_logits
+    from jax_moe_permute.layer import reference_moe_mlp
     L, T, E, K, H, F = 3, int(sys.argv[1]), 16, 4, 256, 128
 
     def step(x, router, w_in, w_out, mlp, dtype):
         # Every layer routes the step's input (bf16 in both), so ours and the float32 reference
         # choose the same experts and differ by rounding only.
         def layer(h, w):
-            r = jmp.route(router_logits(x, w[0]), K)
+            r = jmp.route_tokens(x, w[0], K)  # route(router_logits(x, w[0]), K): one launch up to T = 8
             return h + mlp(h, r.weights, r.ids, w[1].astype(dtype), w[2].astype(dtype)), None
         return jax.lax.scan(layer, x.astype(dtype), (router, w_in, w_out))[0]
 
@@ -154,4 +154,6 @@ def test_decode_step_graph_replay(tokens, flags):
                          text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REPLAYED" in out.stdout
+    if tokens <= 8:  # the fused router (product and choice) is in the step
+        assert "jax_moe_permute.router_hidden" in out.stdout, out.stdout
     print(out.stdout)

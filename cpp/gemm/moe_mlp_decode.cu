@@ -16,10 +16,14 @@
 // in a fixed order, rounding each expert's output to the element type before the weighted sum, as
 // the unfused path does: results are bitwise reproducible and equal that path's to rounding.
 //
-// Pairs whose id lies outside [0, E) contribute nothing. Grids depend on the shapes only (graph
-// safe); no host work, no setup kernel.
+// Launch 2 is a programmatic dependent launch of launch 1 (PDL): its blocks take the SMs launch 1's
+// blocks leave, issue their first weight loads and an L2 prefetch of their other rows, and wait for
+// launch 1's grid before its sums. Pairs whose id lies outside [0, E) contribute nothing. Grids
+// depend on the shapes only (graph safe); no host work, no setup kernel.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "decode_common.cuh"
 #include "moe_mlp_decode.h"
@@ -68,6 +72,11 @@ Plan plan_of(const MoeMlpDecodeArgs& a) {
   return p;
 }
 
+// Programmatic dependent launch: launch 1 lets launch 2 start early; launch 2 waits for launch 1's
+// completion and memory before reading its results (a no-op when launched without the attribute).
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 __device__ __forceinline__ float gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); }
 
@@ -96,6 +105,17 @@ struct WeightRows {
     for (int u = 0; u < kBatch; ++u) {
       const int64_t k = k0 + u * kWarps + warp;
       wv[u] = col_ok && k < k_end ? load_stream(w + k * n + col) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  // The rows after the first step's into L2, a 128-byte line a thread (a strip's row is four):
+  // the block reads them from L2 once it may use them.
+  __device__ __forceinline__ void prefetch_rest(int64_t k0, int64_t col0) const {
+    constexpr int64_t kLine = 128 / sizeof(E);
+    const int64_t first = k0 + kBatch * kWarps;
+    for (int64_t i = threadIdx.x; i < (k_end - first) * 4; i += kThreads) {
+      const int64_t c = col0 + (i % 4) * kLine;
+      if (c < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (first + i / 4) * n + c));
     }
   }
 
@@ -143,7 +163,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   __shared__ alignas(16) E xs[kMaxInRows];  // the split's slice of x[t]
   float* partials = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + plan.gate_up_offset);
   int32_t* arrivals = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + plan.arrivals_offset);
-  if (blockIdx.x == 0 && blockIdx.y == 0)  // launch 2 runs after this one: its counters start at zero
+  launch_dependents();  // launch 2 may start its weight reads as this grid's blocks retire
+  if (blockIdx.x == 0 && blockIdx.y == 0)  // launch 2 reads them after this one: its counters start at zero
     for (int64_t i = threadIdx.x; i < a.tokens * plan.out_strips; i += kThreads) arrivals[i] = 0;
   const int64_t p = blockIdx.y, t = p / a.top_k;
   const int32_t e = a.ids[p];
@@ -188,6 +209,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
                              f_end, col, col < a.out_cols};
     uint4 wv[kBatch];
     rows.load(f_begin, wv);
+    rows.prefetch_rest(f_begin, col0);
+    wait_for_previous_grid();  // launch 1's sums (and zeroed counters) are complete from here on
     for (int64_t f = f_begin + threadIdx.x; f < f_end; f += kThreads) {
       float g = 0.0f, u = 0.0f;
 #pragma unroll 8
@@ -205,6 +228,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
     rows.multiply([&](int64_t f) { return h[f - f_begin]; }, wv, acc);
     sum = sum_over_warps(acc, red);
   }
+  wait_for_previous_grid();  // (again for a pair without an expert: the counters)
   if (col0 + threadIdx.x < a.out_cols) partials[(split * P + p) * a.out_cols + col0 + threadIdx.x] = sum;
   // The last of the K x S2 blocks of (t, strip) adds their partials.
   __threadfence();
@@ -257,13 +281,33 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
   if (col_ok) static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
 }
 
+// JAX_MOE_PERMUTE_DECODE_PDL=0 launches the two kernels one after the other, for profiles that
+// sum kernel times (CUPTI): with PDL launch 2's time includes its wait for launch 1.
+bool dependent_launch_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
 template <class E, MlpActivation A>
 cudaError_t launch(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
   gate_up_kernel<E><<<dim3(unsigned(plan.in_strips * plan.in_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
       a, plan);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  down_kernel<E, A><<<dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
-      a, plan);
+  // Launch 2 as a programmatic dependent of launch 1: its blocks start as launch 1's retire and
+  // stream their rows of w_out while launch 1 finishes; they wait for it before reading its sums.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent_launch_enabled() ? 1 : 0;
+  if (cudaError_t err = cudaLaunchKernelEx(&config, down_kernel<E, A>, a, plan); err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
