@@ -12,9 +12,11 @@ model's routing (MODELS). The pure-JAX stack is the same scan with
 `layer.reference_moe_mlp` (argsort + take, jax.lax.ragged_dot, gather + weighted sum).
 
 wall_us: median wall clock of a step (each `block_until_ready`) over --steps steps after
---warmup, cycling through N_INPUTS different x. device_us: CUPTI kernel time of a step
-(bench_timing.device_us; wall clock again on CPU), None where the profiler fails (e.g. "Kernel
-names are not consistent across iterations" under some XLA command-buffer flags).
+--warmup, cycling through N_INPUTS different x. On GPU a jax.profiler trace of a few steps
+(CUPTI's records; trace_profile) gives device_us, the step's kernel times summed, device_span_us,
+its first kernel's start to its last kernel's end, and what the host launched: kernels one by one
+(host_launches) and CUDA graphs (graph_launches: XLA's command buffers); on CPU device_us is the
+wall clock again. None where the profiler fails.
 bound_bytes: the expert weights the step must read, the distinct experts each layer routes to
 (from ours' routing of the same inputs, mean over them) times 3*H*F*2 bytes, summed over the
 layers, plus the routers' bytes; bound_us reads them at the run's large-copy ceiling
@@ -22,10 +24,8 @@ layers, plus the routers' bytes; bound_us reads them at the run's large-copy cei
 (bench_timing.jitted_copy_tbps: what XLA's own kernels reach). speedup: pure JAX's time over
 ours. temp_bytes etc.: `compiled.memory_analysis()`, the memory the step needs beyond its
 arguments (the weights). custom_calls, command_buffers, loop_in_command_buffer, body_thunks:
-read off the compiled step's optimized HLO (`compiled.as_text()`; hlo_stats). graph_launches,
-kernel_launches: per step, the CUDA graph launches and the kernel launches made outside graphs, as
-CUPTI records the host's driver calls in a jax.profiler trace (launch_counts; GPU only): whether
-XLA replays the step as command buffers, whatever its HLO shows.
+read off the compiled step's optimized HLO (`compiled.as_text()`; hlo_stats); the trace's
+launch counts say what XLA did at run time, whatever the HLO shows.
 
 DeepSeek-V3 runs as many layers as fit in the device's free memory with headroom (printed);
 Mixtral's 32 layers are about 90 GB, Qwen3's 48 about 58 GB. The weights are drawn on the
@@ -186,16 +186,6 @@ def wall_us(compiled, xs, params, steps: int, warmup: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def device_us_or_note(compiled, *args, iterations: int) -> float | None:
-    """device_us of the step, or None (and a note) where the profiler fails: its numbers are
-    extra, and the wall clock already has the step's time."""
-    try:
-        return device_us(compiled, *args, iterations=iterations)
-    except Exception as err:  # noqa: BLE001 - CUPTI's and XLA's errors alike; the run goes on
-        print(f"  (device time not measured: {type(err).__name__}: {str(err).splitlines()[0][:160]})", flush=True)
-        return None
-
-
 def compiled_memory(compiled) -> dict:
     """The compiled step's memory beyond its arguments, from memory_analysis() (None where the
     backend gives none)."""
@@ -256,14 +246,30 @@ def hlo_stats(text: str) -> dict:
                 body_command_buffer_calls=body_calls if body else None)
 
 
-GRAPH_LAUNCH = re.compile(r"graph.?launch", re.IGNORECASE)  # cuGraphLaunch (CUPTI's driver API events)
-KERNEL_LAUNCH = re.compile(r"launch.?kernel", re.IGNORECASE)  # cuLaunchKernel, cuLaunchKernelEx
+GRAPH_LAUNCH = re.compile(r"graph", re.IGNORECASE)  # the host's CUDA graph launches (cuGraphLaunch)
 
 
-def launch_counts(compiled, x, params, steps: int = 3) -> dict:
-    """What the host does per step, from a jax.profiler trace of `steps` steps: CUDA graph launches
-    (XLA's command buffers replayed) and kernel launches made one by one (outside any graph), as
-    CUPTI records the driver calls; None off the GPU (no such events)."""
+def split_steps(events, steps: int) -> list[list[tuple]] | None:
+    """Device events (start_ns, duration_ns, name) of `steps` steps, each step blocked on, split
+    at the steps - 1 widest gaps between one event's end and the next's start; None where the
+    steps do not hold the same number of events."""
+    events = sorted(events)
+    if steps < 1 or len(events) < steps:
+        return None
+    gaps = [events[i + 1][0] - (events[i][0] + events[i][1]) for i in range(len(events) - 1)]
+    cuts = sorted(sorted(range(len(gaps)), key=lambda i: gaps[i])[len(gaps) - steps + 1:]) if steps > 1 else []
+    bounds = [0] + [i + 1 for i in cuts] + [len(events)]
+    parts = [events[a:b] for a, b in zip(bounds, bounds[1:])]
+    return parts if len({len(p) for p in parts}) == 1 else None
+
+
+def trace_profile(compiled, x, params, steps: int = 5) -> dict:
+    """One step as a jax.profiler trace (CUPTI's records) of `steps` steps shows it: device_us, the
+    kernels' time summed (CUPTI device time; overlapping kernels count twice); device_span_us,
+    first kernel start to last kernel end (what overlap and programmatic dependent launches
+    save); kernels, the device's kernels and copies; host_launches, those the host launched one
+    by one (its launch events carry the kernel's name); graph_launches, CUDA graphs launched
+    (XLA's command buffers replayed). Medians over the steps, per step."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(compiled(x, params))
@@ -271,14 +277,39 @@ def launch_counts(compiled, x, params, steps: int = 3) -> dict:
         with jax.profiler.trace(directory):
             for _ in range(steps):
                 jax.block_until_ready(compiled(x, params))
-        paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-        names = collections.Counter(event.name for path in paths for plane in ProfileData.from_file(path).planes
-                                    for line in plane.lines for event in line.events)
-    graphs = sum(n for name, n in names.items() if GRAPH_LAUNCH.search(name))
-    kernels = sum(n for name, n in names.items() if KERNEL_LAUNCH.search(name))
-    if not on_gpu():
-        return dict(graph_launches=None, kernel_launches=None)
-    return dict(graph_launches=graphs / steps, kernel_launches=kernels / steps)
+        planes = [plane for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+                  for plane in ProfileData.from_file(path).planes]
+    device, host = [], collections.Counter()
+    for plane in planes:
+        if plane.name.startswith("/device:GPU"):
+            lines = [line for line in plane.lines if line.name.startswith("Stream")] or list(plane.lines)
+            device += [(e.start_ns, e.duration_ns, e.name) for line in lines for e in line.events]
+        elif plane.name.startswith("/host:"):
+            host.update(e.name for line in plane.lines for e in line.events)
+    parts = split_steps(device, steps)
+    if parts is None:
+        raise RuntimeError(f"the trace's {len(device)} device events do not split into {steps} equal steps")
+    names = {name for _, _, name in device}
+    return dict(device_us=statistics.median(sum(e[1] for e in p) for p in parts) / 1e3,
+                device_span_us=statistics.median(p[-1][0] + p[-1][1] - p[0][0] for p in parts) / 1e3,
+                kernels=len(parts[0]),
+                host_launches=sum(n for name, n in host.items() if name in names) / steps,
+                graph_launches=sum(n for name, n in host.items() if GRAPH_LAUNCH.search(name)) / steps)
+
+
+PROFILE_KEYS = ("device_us", "device_span_us", "kernels", "host_launches", "graph_launches")
+
+
+def profile_or_note(compiled, x, params, iterations: int) -> dict:
+    """trace_profile on GPU, device_us (wall clock) elsewhere; Nones (and a note) where the
+    profiler fails: its numbers are extra, and the wall clock already has the step's time."""
+    try:
+        if on_gpu():
+            return trace_profile(compiled, x, params, steps=max(2, min(iterations, 10)))
+        return dict(dict.fromkeys(PROFILE_KEYS), device_us=device_us(compiled, x, params, iterations=iterations))
+    except Exception as err:  # noqa: BLE001 - the profiler's and XLA's errors alike; the run goes on
+        print(f"  (device time not measured: {type(err).__name__}: {str(err).splitlines()[0][:160]})", flush=True)
+        return dict.fromkeys(PROFILE_KEYS)
 
 
 @none_if_out_of_memory
@@ -288,8 +319,7 @@ def measure(impl: str, model: DecodeModel, params: dict, xs, steps: int, warmup:
     compiled = jax.jit(decode_step(impl, model, unroll)).lower(xs[0], params).compile()
     out = dict(compiled_memory(compiled), **hlo_stats(compiled.as_text()))
     out["wall_us"] = wall_us(compiled, xs, params, steps, warmup)
-    out["device_us"] = device_us_or_note(compiled, xs[0], params, iterations=iterations)
-    out.update(launch_counts(compiled, xs[0], params))
+    out.update(profile_or_note(compiled, xs[0], params, iterations))
     return out
 
 
@@ -326,14 +356,15 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
             speedup_device=ratio(theirs.get("device_us"), mine.get("device_us")) if impl == "ours" else None,
             **{k: got.get(k) for k in ("temp_bytes", "output_bytes", "alias_bytes", "argument_bytes", "code_bytes",
                                        "extra_bytes", "custom_calls", "command_buffers", "loop_in_command_buffer",
-                                       "body_thunks", "body_command_buffer_calls", "graph_launches",
-                                       "kernel_launches")}))
+                                       "body_thunks", "body_command_buffer_calls", "device_span_us", "kernels",
+                                       "host_launches", "graph_launches")}))
     return rows
 
 
 HEADER = (f"{'model':12} {'T':>4} {'impl':8} {'L':>3} {'wall us':>10} {'dev us':>10} {'bound us':>9} "
           f"{'wall/bnd':>8} {'dev/bnd':>7} {'wall/jbnd':>9} {'dev/jbnd':>8} {'x JAX':>6} {'x JAX dev':>9} "
-          f"{'temp MiB':>8} {'ccalls':>6} {'body':>5} {'cmdbuf':>6} {'loop cb':>7} {'graphs':>6} {'kernels':>7}")
+          f"{'temp MiB':>8} {'ccalls':>6} {'body':>5} {'cmdbuf':>6} {'loop cb':>7} {'span us':>9} {'kernels':>7} "
+          f"{'host lnch':>9} {'graphs':>6}")
 
 
 def format_row(r) -> str:
@@ -346,7 +377,8 @@ def format_row(r) -> str:
             f"{cell(r['wall_over_jit_bound'], '9.2f')} {cell(r['device_over_jit_bound'], '8.2f')} "
             f"{cell(r['speedup_wall'], '6.2f')} {cell(r['speedup_device'], '9.2f')} {cell(temp, '8.1f')} "
             f"{cell(r['custom_calls'], '6d')} {cell(r['body_thunks'], '5d')} {cell(r['command_buffers'], '6d')} "
-            f"{loop_cb:>7} {cell(r['graph_launches'], '6.0f')} {cell(r['kernel_launches'], '7.0f')}")
+            f"{loop_cb:>7} {cell(r['device_span_us'], '9.1f')} {cell(r['kernels'], '7d')} "
+            f"{cell(r['host_launches'], '9.0f')} {cell(r['graph_launches'], '6.0f')}")
 
 
 def format_table(rows) -> str:

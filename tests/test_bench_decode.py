@@ -139,3 +139,14 @@ def test_hlo_stats_reads_command_buffers():
 def test_decode_runs_apart():
     with pytest.raises(SystemExit):
         bench.main(["--ops", "decode,permute", "--model", "tiny", "--tokens", "1"])
+
+
+def test_split_steps_cuts_at_the_host_syncs():
+    step = [(0, 5, "a"), (7, 3, "b"), (11, 2, "c")]  # gaps of 2 and 1 ns inside a step
+    events = [(t + 1000 * i, d, n) for i in range(3) for t, d, n in step]
+    parts = bench_decode.split_steps(events[::-1], 3)
+    assert [[e[2] for e in p] for p in parts] == [["a", "b", "c"]] * 3
+    assert [p[0][0] for p in parts] == [0, 1000, 2000]
+    assert bench_decode.split_steps(events[:-1], 3) is None  # unequal steps
+    assert bench_decode.split_steps(events, 1) == [sorted(events)]
+    assert bench_decode.split_steps(events[:2], 3) is None

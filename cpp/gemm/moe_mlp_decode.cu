@@ -17,8 +17,7 @@
 // the unfused path does: results are bitwise reproducible and equal that path's to rounding.
 //
 // Launch 2 is a programmatic dependent launch of launch 1 (PDL): its blocks take the SMs launch 1's
-// blocks leave, issue their first weight loads and an L2 prefetch of their other rows, and wait for
-// launch 1's grid before its sums. Pairs whose id lies outside [0, E) contribute nothing. Grids
+// blocks leave and issue their first weight loads, then wait for launch 1's grid before its sums. Pairs whose id lies outside [0, E) contribute nothing. Grids
 // depend on the shapes only (graph safe); no host work, no setup kernel.
 #include <algorithm>
 #include <cstdint>
@@ -105,17 +104,6 @@ struct WeightRows {
     for (int u = 0; u < kBatch; ++u) {
       const int64_t k = k0 + u * kWarps + warp;
       wv[u] = col_ok && k < k_end ? load_stream(w + k * n + col) : make_uint4(0, 0, 0, 0);
-    }
-  }
-
-  // The rows after the first step's into L2, a 128-byte line a thread (a strip's row is four):
-  // the block reads them from L2 once it may use them.
-  __device__ __forceinline__ void prefetch_rest(int64_t k0, int64_t col0) const {
-    constexpr int64_t kLine = 128 / sizeof(E);
-    const int64_t first = k0 + kBatch * kWarps;
-    for (int64_t i = threadIdx.x; i < (k_end - first) * 4; i += kThreads) {
-      const int64_t c = col0 + (i % 4) * kLine;
-      if (c < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (first + i / 4) * n + c));
     }
   }
 
@@ -209,7 +197,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
                              f_end, col, col < a.out_cols};
     uint4 wv[kBatch];
     rows.load(f_begin, wv);
-    rows.prefetch_rest(f_begin, col0);
     wait_for_previous_grid();  // launch 1's sums (and zeroed counters) are complete from here on
     for (int64_t f = f_begin + threadIdx.x; f < f_end; f += kThreads) {
       float g = 0.0f, u = 0.0f;
