@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_moe_permute import bench_decode
+from jax_moe_permute import bench, bench_decode
 
 PLOTTING = importlib.util.find_spec("matplotlib") is not None  # the [bench] extra
 POSITIVE = ("wall_us", "device_us", "bound_bytes", "bound_us", "jit_bound_us", "copy_TBps", "jit_copy_TBps",
