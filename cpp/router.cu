@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -310,15 +311,30 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
 #pragma unroll
       for (int u = 0; u < kHiddenBatch; ++u) wv[u] = next[u];
     }
+  }
+  // Where the columns tile a warp (E / 8 a power of two below 32), the lanes of one column first
+  // add their sums by shuffles, so that shared memory holds a row per warp, not per lane row:
+  // with few experts (Mixtral's 8) the serial sum below would otherwise run over 256 rows.
+  const int column_lanes = cols < 32 && 32 % cols == 0 ? 32 / cols : 1;
+  const int red_rows = rows_per_pass / column_lanes;
+  if (column_lanes > 1) {  // every thread is active: cols * rows_per_pass == kHiddenThreads
+    for (int offset = cols; offset < 32; offset *= 2)
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) acc[t][c] += __shfl_xor_sync(0xffffffffu, acc[t][c], offset);
+  }
+  if (active && lane_row % column_lanes == 0) {
+    const int64_t q = lane_row / column_lanes;
 #pragma unroll
     for (int t = 0; t < kTokens; ++t)
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) red[(int64_t(lane_row) * kTokens + t) * E + col * kVec + c] = acc[t][c];
+      for (int c = 0; c < kVec; ++c) red[(q * kTokens + t) * E + col * kVec + c] = acc[t][c];
   }
   __syncthreads();
   for (int64_t j = threadIdx.x; j < kTokens * E; j += kHiddenThreads) {  // the block's rows, in order
     float sum = 0.0f;
-    for (int q = 0; q < rows_per_pass; ++q) sum += red[q * kTokens * E + j];
+    for (int q = 0; q < red_rows; ++q) sum += red[q * kTokens * E + j];
     part[j] = sum;
   }
   cluster.sync();  // every block's part is complete
@@ -342,9 +358,10 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
 #endif
 }
 
-// The cluster size the device takes for this kernel: kHiddenMaxCluster where it fits, else 8.
+// The cluster size the device takes for this kernel with `shared_bytes` per block:
+// kHiddenMaxCluster where it fits, else 8.
 template <typename Kernel>
-int cluster_size_for(Kernel kernel, const HiddenPlan& plan, cudaStream_t stream) {
+int cluster_size_for(Kernel kernel, int64_t shared_bytes, cudaStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     (void)cudaGetLastError();
     return 8;
@@ -352,7 +369,7 @@ int cluster_size_for(Kernel kernel, const HiddenPlan& plan, cudaStream_t stream)
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(kHiddenMaxCluster, 1);
   config.blockDim = dim3(kHiddenThreads);
-  config.dynamicSmemBytes = size_t(plan.shared_bytes);
+  config.dynamicSmemBytes = size_t(shared_bytes);
   config.stream = stream;
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
@@ -368,16 +385,26 @@ int cluster_size_for(Kernel kernel, const HiddenPlan& plan, cudaStream_t stream)
   return kHiddenMaxCluster;
 }
 
+constexpr int kMaxDevices = 64;
+
 template <typename X, int kTokens, int kSlots>
 cudaError_t launch_router_hidden(const RouterHiddenArgs& a, cudaStream_t stream) {
   auto kernel = router_hidden_kernel<X, kTokens, kSlots>;
-  const RouterArgs& r = a.route;
-  HiddenPlan plan = hidden_plan(r.tokens, a.hidden, r.experts, r.num_groups, kHiddenMaxCluster);
-  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.shared_bytes)));
-  if (plan.cluster > 8) {
-    const int most = cluster_size_for(kernel, plan, stream);
-    if (most < plan.cluster) plan = hidden_plan(r.tokens, a.hidden, r.experts, r.num_groups, most);
+  // Once per device: the kernel's shared-memory limit raised to the most any plan takes, and the
+  // cluster size it gets there (no smaller plan gets less). The decode step is host-bound: these
+  // queries cost more than the launch.
+  static std::atomic<int> device_cluster[kMaxDevices];
+  int device = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  int most = device_cluster[device].load(std::memory_order_acquire);
+  if (most == 0) {
+    MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kHiddenMaxShared)));
+    most = cluster_size_for(kernel, kHiddenMaxShared, stream);
+    device_cluster[device].store(most, std::memory_order_release);
   }
+  const RouterArgs& r = a.route;
+  const HiddenPlan plan = hidden_plan(r.tokens, a.hidden, r.experts, r.num_groups, most);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(plan.cluster), unsigned(cdiv(r.tokens, kTokens)));
   config.blockDim = dim3(kHiddenThreads);

@@ -165,6 +165,10 @@ def router_logits(x, router):
 # route_tokens binds moe_router_hidden for T <= HIDDEN_MAX_TOKENS (the kernel's token groups of
 # up to 8 share one read of the router; more tokens are a GEMM's work); read at trace time.
 HIDDEN_MAX_TOKENS = 8
+# The kernel's one thread-block cluster per token group reads the whole router: past this many
+# router bytes the product's GEMM and the router kernel (two launches) are faster on the H200
+# (DeepSeek-V3's 3.7 MB router; docs/layer.md). Read when a call is lowered.
+HIDDEN_MAX_ROUTER_BYTES = 1 << 20
 _HIDDEN_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16)))
 
 router_hidden_p = Primitive("moe_router_hidden")
@@ -215,6 +219,7 @@ def _hidden_kernel_fits(x, router, num_groups) -> bool:
     (T, H), E = x.shape, router.shape[1]
     return (gemm_primitives.gpu_is_sm90() and _native.has_target("cuda", "router_hidden")
             and jnp.dtype(x.dtype) in _HIDDEN_DTYPES and router.dtype == x.dtype
+            and H * E * jnp.dtype(x.dtype).itemsize <= HIDDEN_MAX_ROUTER_BYTES
             and bool(_native.kernel_fits("cuda", "router_hidden", T, H, E, num_groups)))
 
 

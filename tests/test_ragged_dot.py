@@ -305,6 +305,34 @@ def test_kernels_every_tile(tile, monkeypatch):
         monkeypatch.delenv(variable)
 
 
+@needs_gpu
+def test_kernels_run_order(monkeypatch):
+    """The run tile order (MOE_GROUPED_GEMM_RUN / MOE_GROUPED_GEMM_DW_RUN, read at every call) on
+    the 128 x 256 tile: the same tiles in another order, so bitwise CUTLASS's strided order (run
+    1), with complete rounds and a strided tail (run 2, 3), runs longer than a group's tiles (5, 16),
+    and a run whose first round is already incomplete (64). Empty groups in the middle."""
+    G, M, K, N = 40, 12000, 512, 1024
+    lhs, rhs, cot = (random_float(s, jnp.bfloat16) for s in ((M, K), (G, K, N), (M, N)))
+    sizes = random_sizes(G, M - 7).at[5].set(0).at[6].set(0)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "128x256")
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_TILE", "128x256")
+
+    def grads():
+        out, vjp = jax.vjp(lambda a, b: jmp.ragged_dot(a, b, sizes), lhs, rhs)
+        return [np.asarray(v.astype(jnp.float32)) for v in (out, *vjp(cot))]
+
+    first = grads()
+    f32 = lambda x: x.astype(jnp.float32)
+    ref, ref_vjp = jax.vjp(lambda a, b: ref_ragged_dot(a, b, sizes), f32(lhs), f32(rhs))
+    for got, want in zip(first, (ref, *ref_vjp(f32(cot)))):
+        assert_matches(got, want, jnp.bfloat16)
+    for run in ("2", "3", "5", "16", "64"):
+        monkeypatch.setenv("MOE_GROUPED_GEMM_RUN", run)
+        monkeypatch.setenv("MOE_GROUPED_GEMM_DW_RUN", run)
+        for name, got, want in zip(("out", "d_lhs", "d_rhs"), grads(), first):
+            np.testing.assert_array_equal(got, want, err_msg=f"{name}, run {run}")
+
+
 # (G, M, K, N, sizes): one row per group, several passes of 8 rows with every remainder (1, 2,
 # 3-4, 5-8 rows), K over one staged chunk and not a multiple of the 32 rows a block step reads,
 # partial column strips, rows past the sum, all groups empty, more than 256 groups (the slot scan

@@ -154,3 +154,17 @@ def test_bad_arguments_name_themselves():
         jmp.route_tokens(x, router, 9)
     with pytest.raises(ValueError, match="num_groups"):
         jmp.route_tokens(x, router, 2, num_groups=3, topk_groups=1)
+
+
+def test_large_router_forced(monkeypatch):
+    """Above HIDDEN_MAX_ROUTER_BYTES the lowering takes the composition (faster there); forced,
+    the kernel is still exact on DeepSeek-V3's router (7168 x 256, sigmoid, groups, bias). T = 2:
+    a shape no other test traces route_tokens at, so that its cached lowering is this one's."""
+    T, H, E = 2, 7168, 256
+    x, router = random_float((T, H), jnp.bfloat16), random_float((H, E), jnp.bfloat16, H ** -0.5)
+    kernel = _native.has_target("cuda", "router_hidden") and gemm_primitives.gpu_is_sm90()
+    assert not fused_here(x, router)
+    monkeypatch.setattr(router_kernel, "HIDDEN_MAX_ROUTER_BYTES", float("inf"))
+    assert fused_here(x, router) == kernel
+    check(T, H, E, 8, with_bias=True, router=router, scoring="sigmoid", routed_scaling_factor=2.5, num_groups=8,
+          topk_groups=4)

@@ -2,7 +2,10 @@
 (forward and d lhs) or MOE_GROUPED_GEMM_DW_TILE (dW), both read by the kernels at every call, to
 choose the tile rules in cpp/gemm/ffi_grouped_gemm_cuda.cc:
 
-    python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw] [PROBLEMS]   (comma-separated; defaults below)
+    python benchmarks/micro/tile_sweep.py OUT.json [KINDS] [rows|dw] [PROBLEMS] [TILES]   (comma-separated; defaults below)
+
+A tile named with a run length, e.g. 128x256r8, also sets MOE_GROUPED_GEMM_RUN (rows) or
+MOE_GROUPED_GEMM_DW_RUN (dw): the tiles each cluster takes in a row (cpp/gemm/run_tile_scheduler.cuh).
 
 rows (the default): forward and forward+backward per tile (d lhs on the same tile, dW on its own
 rule), the same-run dense GEMM, and for decode the forward's decode kernel too and the time over
@@ -27,9 +30,10 @@ from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES
 KINDS = ("uniform", "skewed", "decode1", "decode8", "decode64")
 
 
-def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLEMS)) -> None:
+def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLEMS), tiles=TILES) -> None:
     assert jmp.grouped_gemm.kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
     variable = {"rows": "MOE_GROUPED_GEMM_TILE", "dw": "MOE_GROUPED_GEMM_DW_TILE"}[target]
+    run_variable = {"rows": "MOE_GROUPED_GEMM_RUN", "dw": "MOE_GROUPED_GEMM_DW_RUN"}[target]
     copy = copy_ceiling_tbps()
     rows = []
     for name in problems:
@@ -43,8 +47,10 @@ def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLE
             dense_us = device_us(jax.jit(jnp.dot), lhs, rhs[0], iterations=10) if target == "rows" else None
             bound_us = (np.count_nonzero(sizes) * K * N + M * K + M * N) * 2 / copy / 1e6
             first = None
-            for tile in TILES + ((DECODE_TILE,) if target == "rows" and kind.startswith("decode") else ()):
-                os.environ[variable] = tile
+            for tile in tuple(tiles) + ((DECODE_TILE,) if target == "rows" and kind.startswith("decode") else ()):
+                shape, _, run = tile.partition("r")
+                os.environ[variable] = shape
+                os.environ[run_variable] = run or "1"
                 # Traced anew per tile: the decode kernel is chosen when a call is lowered.
                 fwd, train = op_call(jmp.ragged_dot, "ragged_dot", gs), op_call(jmp.ragged_dot, "ragged_dot_bwd", gs)
                 d_rhs = jax.jit(lambda a, b, c: jax.vjp(lambda b: jmp.ragged_dot(a, b, gs), b)[1](c)[0])
@@ -61,7 +67,7 @@ def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLE
                 rows.append(row)
                 print(row, flush=True)
                 del y, fwd, train, d_rhs, call
-            del os.environ[variable]
+            del os.environ[variable], os.environ[run_variable]
             del lhs, rhs, ct, args
             with open(out_path, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -70,4 +76,5 @@ def main(out_path: str, kinds=KINDS, target: str = "rows", problems=tuple(PROBLE
 if __name__ == "__main__":
     main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else KINDS,
          sys.argv[3] if len(sys.argv) > 3 else "rows",
-         tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else tuple(PROBLEMS))
+         tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else tuple(PROBLEMS),
+         tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else TILES)

@@ -54,6 +54,17 @@ std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
   return a.rows <= 64 * a.groups ? Tile::k64x256 : Tile::k128x256;
 }
 
+// Consecutive tiles per cluster and round (run_tile_scheduler.cuh). MOE_GROUPED_GEMM_RUN (the
+// row-grouped GEMMs) and MOE_GROUPED_GEMM_DW_RUN (the weight gradient) force a positive count, to
+// measure it.
+int choose_run(Layout layout, Tile tile, const GroupedGemmArgs& a) {
+  const char* variable = layout == Layout::kWeightGrad ? "MOE_GROUPED_GEMM_DW_RUN" : "MOE_GROUPED_GEMM_RUN";
+  if (const char* forced = std::getenv(variable); forced != nullptr && std::atoi(forced) > 0) return std::atoi(forced);
+  (void)tile;
+  (void)a;
+  return 1;
+}
+
 template <Dtype D, Layout L>
 cudaError_t dispatch_tile(Tile tile, const GroupedGemmArgs& a, cudaStream_t stream) {
   switch (tile) {
@@ -113,6 +124,7 @@ ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmAr
   if (!tile)
     return invalid("ragged_dot: MOE_GROUPED_GEMM_TILE or MOE_GROUPED_GEMM_DW_TILE names no tile (128x256, 64x256, "
                    "128x128, or decode for MOE_GROUPED_GEMM_TILE)");
+  a.run = choose_run(layout, *tile, a);
   return gemm_error(dtype == Dtype::kBf16 ? dispatch_layout<Dtype::kBf16>(layout, *tile, a, stream)
                                           : dispatch_layout<Dtype::kF16>(layout, *tile, a, stream));
 }

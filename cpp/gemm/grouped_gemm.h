@@ -45,6 +45,9 @@ struct GroupedGemmArgs {
   int64_t lhs_batch_stride = 0, rhs_batch_stride = 0, sizes_batch_stride = 0;
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  // Consecutive tiles per cluster and round, on the tiles built with the run order
+  // (run_tile_scheduler.cuh; the cooperative 128 x 256); 1 is CUTLASS's strided order.
+  int run = 1;
 };
 
 // Bytes of workspace for `problems` = batch * groups problems: per-problem shapes, pointers and

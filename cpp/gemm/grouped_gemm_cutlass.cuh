@@ -19,6 +19,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "grouped_gemm.h"
+#include "run_tile_scheduler.cuh"
 
 namespace moe::gemm {
 
@@ -46,10 +47,12 @@ struct OperandLayouts<Layout::kWeightGrad> {  // A = lhs_gᵀ (M contiguous), B 
 
 // One kernel configuration: element type, operand layouts, tile, cluster, schedule (as in
 // CUTLASS example 57). The output is row-major, of the input element type, with no source C.
-template <Dtype D, Layout L, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// ProblemShape: (M, N, K) per group; RunProblemShape selects the run tile order (run_tile_scheduler.cuh).
+template <Dtype D, Layout L, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          class ProblemShape_ = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>
 struct GroupedGemmConfig {
   using Element = ElementOf<D>;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
+  using ProblemShape = ProblemShape_;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA accesses
 
@@ -169,9 +172,13 @@ typename Config::Gemm::Arguments make_arguments(const GroupedGemmArgs& a, char* 
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count();
   using E = typename Config::Element;
+  typename Config::ProblemShape shapes;
+  shapes.num_groups = int(w.problems);
+  shapes.problem_shapes = reinterpret_cast<typename W::Shape*>(ws + w.off_shapes);
+  if constexpr (std::is_same_v<typename Config::ProblemShape, RunProblemShape>) shapes.run = std::max(1, a.run);
   args = typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
-      {int(w.problems), reinterpret_cast<typename W::Shape*>(ws + w.off_shapes), nullptr},
+      shapes,
       {reinterpret_cast<const E**>(ws + w.off_a), reinterpret_cast<typename W::StrideA*>(ws + w.off_sa),
        reinterpret_cast<const E**>(ws + w.off_b), reinterpret_cast<typename W::StrideB*>(ws + w.off_sb)},
       {fusion, nullptr, nullptr, reinterpret_cast<E**>(ws + w.off_d),
@@ -247,7 +254,7 @@ template <Dtype D, Layout L>
 struct TileConfig<D, L, Tile::k128x256> {
   using type = GroupedGemmConfig<D, L, cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
                                  cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, RunProblemShape>;
 };
 template <Dtype D, Layout L>
 struct TileConfig<D, L, Tile::k64x256> {
