@@ -1,8 +1,8 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
 odd H, expert_map, align_size, every permute path (warp-routed, counted, ranked in one launch,
 tiled, radix sort), forward and backward, unpermute's backward on a row map with shared
-rows, the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap) and, on sm_90, the fused
-router product and choice of route_tokens."""
+rows, the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap). route_tokens' fused kernel:
+scripts/sanitize_router_cases.py."""
 
 import jax
 import jax.numpy as jnp
@@ -82,35 +82,6 @@ ROUTER_CASES = [
 ]
 
 
-def run_route_tokens(T, H, E, K, seed=0, **kw):
-    """route_tokens' fused product and choice (sm_90) and its gradient, the ids against route on
-    the logits the kernel returns (an uninitialised read shows as a mismatch)."""
-    from jax_moe_permute import router_kernel
-
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(k[0], (T, H)).astype(jnp.bfloat16)
-    router = (jax.random.normal(k[1], (H, E)) * H ** -0.5).astype(jnp.bfloat16)
-    if kw.pop("with_bias", False):
-        kw["bias"] = jax.random.normal(k[2], (E,)) * 0.3
-    args = dict(dict(scoring="softmax", renormalize=True, num_groups=None, topk_groups=None,
-                     routed_scaling_factor=1.0), **kw)
-    bias = args.pop("bias", None)
-    logits, weights, ids = jax.jit(lambda x, r, b: router_kernel.router_hidden(x, r, b, K, **args))(x, router, bias)
-    want = jax.jit(lambda z, b: jmp.route(z, K, bias=b, **args)[:2])(logits, bias)
-    assert np.array_equal(np.asarray(ids), np.asarray(want[1])) and np.array_equal(np.asarray(weights),
-                                                                                  np.asarray(want[0]))
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(jmp.route_tokens(x, router, K, bias=bias, **args).weights ** 2)))(x)
-    return [np.asarray(a).shape for a in (logits, ids, grad)]
-
-
-ROUTE_TOKENS_CASES = [
-    dict(T=1, H=2048, E=128, K=8),  # Qwen3: a cluster of 16
-    dict(T=3, H=100, E=24, K=24),  # K = E, 2 blocks of 64 rows, 3 columns a row
-    dict(T=8, H=7168, E=256, K=8, scoring="sigmoid", with_bias=True, num_groups=8, topk_groups=4),
-    dict(T=5, H=5, E=8, K=1),  # one block, rows past H
-]
-
-
 if __name__ == "__main__":
     for case in CASES:
         print(case, run(**case))
@@ -129,9 +100,4 @@ if __name__ == "__main__":
     vmapped_router = jax.jit(jax.vmap(lambda z, b: jmp.route(z, 2, scoring="sigmoid", bias=b)[:2]))
     jax.block_until_ready(vmapped_router(jax.random.normal(jax.random.PRNGKey(4), (3, 11, 12)),
                                          jax.random.normal(jax.random.PRNGKey(5), (3, 12))))
-    from jax_moe_permute import gemm_primitives
-
-    if gemm_primitives.gpu_is_sm90():
-        for case in ROUTE_TOKENS_CASES:
-            print("route_tokens", case, run_route_tokens(**case))
     print("SANITIZE CASES DONE")

@@ -1,0 +1,47 @@
+"""Small cases for compute-sanitizer (scripts/sanitize.sh) on route_tokens' fused router product
+and choice (cpp/router.cu, router_hidden; sm_90 only): each forced onto the kernel, past the
+router-size rule, and checked against route on the logits it returns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_moe_permute as jmp
+from jax_moe_permute import gemm_primitives, router_kernel
+
+
+def run_route_tokens(T, H, E, K, seed=0, **kw):
+    """route_tokens' fused product and choice (sm_90) and its gradient, the ids against route on
+    the logits the kernel returns (an uninitialised read shows as a mismatch)."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(k[0], (T, H)).astype(jnp.bfloat16)
+    router = (jax.random.normal(k[1], (H, E)) * H ** -0.5).astype(jnp.bfloat16)
+    if kw.pop("with_bias", False):
+        kw["bias"] = jax.random.normal(k[2], (E,)) * 0.3
+    args = dict(dict(scoring="softmax", renormalize=True, num_groups=None, topk_groups=None,
+                     routed_scaling_factor=1.0), **kw)
+    bias = args.pop("bias", None)
+    logits, weights, ids = jax.jit(lambda x, r, b: router_kernel.router_hidden(x, r, b, K, **args))(x, router, bias)
+    want = jax.jit(lambda z, b: jmp.route(z, K, bias=b, **args)[:2])(logits, bias)
+    assert np.array_equal(np.asarray(ids), np.asarray(want[1])) and np.array_equal(np.asarray(weights),
+                                                                                  np.asarray(want[0]))
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jmp.route_tokens(x, router, K, bias=bias, **args).weights ** 2)))(x)
+    return [np.asarray(a).shape for a in (logits, ids, grad)]
+
+
+ROUTE_TOKENS_CASES = [
+    dict(T=1, H=2048, E=128, K=8),  # Qwen3: a cluster of 16
+    dict(T=3, H=100, E=24, K=24),  # K = E, 2 blocks of 64 rows, 3 columns a row
+    dict(T=8, H=7168, E=256, K=8, scoring="sigmoid", with_bias=True, num_groups=8, topk_groups=4),
+    dict(T=5, H=5, E=8, K=1),  # one block, rows past H
+    dict(T=2, H=3000, E=8, K=2),  # one column a row: 32 lanes of a column add by shuffles
+    dict(T=4, H=1000, E=64, K=6),  # 8 columns a row: 4 lanes a column
+]
+
+
+if __name__ == "__main__":
+    router_kernel.HIDDEN_MAX_ROUTER_BYTES = float("inf")  # every case on the kernel
+    if gemm_primitives.gpu_is_sm90():
+        for case in ROUTE_TOKENS_CASES:
+            print("route_tokens", case, run_route_tokens(**case))
+    print("SANITIZE CASES DONE")
