@@ -22,6 +22,8 @@ weights are moe_router's of the logits it returns (the same per-token routine), 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,11 +167,29 @@ def router_logits(x, router):
 # route_tokens binds moe_router_hidden for T <= HIDDEN_MAX_TOKENS (the kernel's token groups of
 # up to 8 share one read of the router; more tokens are a GEMM's work); read at trace time.
 HIDDEN_MAX_TOKENS = 8
-# The kernel's one thread-block cluster per token group reads the whole router: past this many
-# router bytes the product's GEMM and the router kernel (two launches) are faster on the H200
-# (DeepSeek-V3's 3.7 MB router; docs/layer.md). Read when a call is lowered.
+# Where the kernel runs when a call is lowered on sm_90, elsewhere the composition: measured faster
+# on the H200 for one token with 64 or more experts and a router of at most 1 MiB (Qwen3, gpt-oss,
+# Qwen3-235B: 0.65-0.75 of the composition's time); slower with 2-8 tokens (1.2-2.5x), with 8-32
+# experts (a small router's product is a short XLA reduction) and with the large routers that one
+# cluster reads slowly (DeepSeek-V3's 3.5 MiB: 1.28x). benchmarks/micro/router_hidden_ab.py, docs/layer.md.
+HIDDEN_KERNEL_MAX_TOKENS = 1
+HIDDEN_KERNEL_MIN_EXPERTS = 64
 HIDDEN_MAX_ROUTER_BYTES = 1 << 20
 _HIDDEN_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16)))
+
+
+@contextlib.contextmanager
+def hidden_kernel_wherever_it_fits():
+    """Within it, moe_router_hidden lowers to the kernel wherever the kernel fits (any T up to
+    HIDDEN_MAX_TOKENS, E from 8, any router size), past the speed rule above: to test or measure
+    the kernel. Only calls lowered inside take it (jit caches what was lowered before)."""
+    global HIDDEN_KERNEL_MAX_TOKENS, HIDDEN_KERNEL_MIN_EXPERTS, HIDDEN_MAX_ROUTER_BYTES
+    saved = HIDDEN_KERNEL_MAX_TOKENS, HIDDEN_KERNEL_MIN_EXPERTS, HIDDEN_MAX_ROUTER_BYTES
+    HIDDEN_KERNEL_MAX_TOKENS, HIDDEN_KERNEL_MIN_EXPERTS, HIDDEN_MAX_ROUTER_BYTES = HIDDEN_MAX_TOKENS, 8, float("inf")
+    try:
+        yield
+    finally:
+        HIDDEN_KERNEL_MAX_TOKENS, HIDDEN_KERNEL_MIN_EXPERTS, HIDDEN_MAX_ROUTER_BYTES = saved
 
 router_hidden_p = Primitive("moe_router_hidden")
 router_hidden_p.multiple_results = True
@@ -219,6 +239,7 @@ def _hidden_kernel_fits(x, router, num_groups) -> bool:
     (T, H), E = x.shape, router.shape[1]
     return (gemm_primitives.gpu_is_sm90() and _native.has_target("cuda", "router_hidden")
             and jnp.dtype(x.dtype) in _HIDDEN_DTYPES and router.dtype == x.dtype
+            and T <= HIDDEN_KERNEL_MAX_TOKENS and E >= HIDDEN_KERNEL_MIN_EXPERTS
             and H * E * jnp.dtype(x.dtype).itemsize <= HIDDEN_MAX_ROUTER_BYTES
             and bool(_native.kernel_fits("cuda", "router_hidden", T, H, E, num_groups)))
 

@@ -7,7 +7,7 @@ losses are sensitive to rounding, and the router is a negligible share of the la
 The choice and gates run as one kernel launch where it is built (CPU and CUDA, up to
 router_kernel.MAX_EXPERTS experts; router_kernel.py), the same jnp math as `reference_route`
 elsewhere. `route_tokens` takes the tokens and the router weight instead of the logits, and for
-a decode step's few tokens runs the product too in that launch. The auxiliary values are jnp from
+a decode step's one token (sm_90, 64 to 256 experts) runs the product too in that launch. The auxiliary values are jnp from
 the logits and ids, so XLA drops them from programs that do not use them.
 """
 
@@ -157,9 +157,10 @@ def route_tokens(
 ) -> Routing:
     """`route(router_logits(x, router), top_k, ...)`: the router's product and the choice.
 
-    For a few tokens (T <= router_kernel.HIDDEN_MAX_TOKENS, a decode step) of bfloat16 or float16
-    on sm_90, with E a multiple of 8 up to 256, both run as one kernel launch (the product as an
-    XLA dot would cost more than reading the router); otherwise exactly that composition. The
+    For one bfloat16 or float16 token (a decode step) on sm_90, with E a multiple of 8 from 64 to
+    256 and a router of at most 1 MiB, both run as one kernel launch (the product as an XLA dot
+    would cost more than reading the router; router_kernel.py has the measured rule); otherwise
+    exactly that composition. The
     logits are float32 sums of x's dtype products in either case (the product's summation order
     differs between the two, so logits agree to float32 rounding); the ids and weights are
     `route`'s of those logits. Differentiable in x and router as the composition is.

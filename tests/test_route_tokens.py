@@ -17,6 +17,14 @@ route = jax.jit(jmp.route, static_argnums=1, static_argnames=STATIC)
 DEEPSEEK = dict(scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)
 
 
+@pytest.fixture(autouse=True)
+def kernel_wherever_it_fits():
+    """The kernel on every case that fits it (every T up to 8, E from 8), past the lowering's speed
+    rule (test_speed_rule checks that rule)."""
+    with router_kernel.hidden_kernel_wherever_it_fits():
+        yield
+
+
 @jax.jit
 def composition_logits(x, router):
     return router_kernel.router_logits(x, router)
@@ -156,15 +164,22 @@ def test_bad_arguments_name_themselves():
         jmp.route_tokens(x, router, 2, num_groups=3, topk_groups=1)
 
 
-def test_large_router_forced(monkeypatch):
-    """Above HIDDEN_MAX_ROUTER_BYTES the lowering takes the composition (faster there); forced,
-    the kernel is still exact on DeepSeek-V3's router (7168 x 256, sigmoid, groups, bias). T = 2:
-    a shape no other test traces route_tokens at, so that its cached lowering is this one's."""
+def test_speed_rule(monkeypatch):
+    """By default the lowering takes the kernel for one token, 64 or more experts and a router of
+    at most 1 MiB (where it measured faster), else the composition; forced, the kernel is exact on
+    DeepSeek-V3's router too (7168 x 256, sigmoid, groups, bias). T = 2 for the forced check: a
+    shape no other test traces route_tokens at, so that its cached lowering is this one's."""
+    for name in ("HIDDEN_KERNEL_MAX_TOKENS", "HIDDEN_KERNEL_MIN_EXPERTS", "HIDDEN_MAX_ROUTER_BYTES"):
+        monkeypatch.setattr(router_kernel, name, {"HIDDEN_KERNEL_MAX_TOKENS": 1, "HIDDEN_KERNEL_MIN_EXPERTS": 64,
+                                                  "HIDDEN_MAX_ROUTER_BYTES": 1 << 20}[name])
+    kernel = _native.has_target("cuda", "router_hidden") and gemm_primitives.gpu_is_sm90()
+    for (T, H, E), fused in {(1, 2048, 128): kernel, (1, 4096, 128): kernel, (2, 2048, 128): False,
+                             (1, 4096, 32): False, (1, 7168, 256): False}.items():
+        x, router = random_float((T, H), jnp.bfloat16), random_float((H, E), jnp.bfloat16, H ** -0.5)
+        assert fused_here(x, router) == fused, (T, H, E)
+    monkeypatch.setattr(router_kernel, "HIDDEN_KERNEL_MAX_TOKENS", router_kernel.HIDDEN_MAX_TOKENS)
+    monkeypatch.setattr(router_kernel, "HIDDEN_MAX_ROUTER_BYTES", float("inf"))
     T, H, E = 2, 7168, 256
     x, router = random_float((T, H), jnp.bfloat16), random_float((H, E), jnp.bfloat16, H ** -0.5)
-    kernel = _native.has_target("cuda", "router_hidden") and gemm_primitives.gpu_is_sm90()
-    assert not fused_here(x, router)
-    monkeypatch.setattr(router_kernel, "HIDDEN_MAX_ROUTER_BYTES", float("inf"))
     assert fused_here(x, router) == kernel
-    check(T, H, E, 8, with_bias=True, router=router, scoring="sigmoid", routed_scaling_factor=2.5, num_groups=8,
-          topk_groups=4)
+    check(T, H, E, 8, with_bias=True, router=router, **DEEPSEEK)
