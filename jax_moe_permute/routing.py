@@ -7,8 +7,9 @@ losses are sensitive to rounding, and the router is a negligible share of the la
 The choice and gates run as one kernel launch where it is built (CPU and CUDA, up to
 router_kernel.MAX_EXPERTS experts; router_kernel.py), the same jnp math as `reference_route`
 elsewhere. `route_tokens` takes the tokens and the router weight instead of the logits, and for
-a decode step's one token (sm_90, 64 to 256 experts) runs the product too in that launch. The auxiliary values are jnp from
-the logits and ids, so XLA drops them from programs that do not use them.
+a decode step's one token (sm_90, 64 to 256 experts) runs the product too in that launch. The
+auxiliary values are jnp from the logits and ids, so XLA drops them from programs that do not
+use them.
 """
 
 from __future__ import annotations
@@ -160,10 +161,9 @@ def route_tokens(
     For one bfloat16 or float16 token (a decode step) on sm_90, with E a multiple of 8 from 64 to
     256 and a router of at most 1 MiB, both run as one kernel launch (the product as an XLA dot
     would cost more than reading the router; router_kernel.py has the measured rule); otherwise
-    exactly that composition. The
-    logits are float32 sums of x's dtype products in either case (the product's summation order
-    differs between the two, so logits agree to float32 rounding); the ids and weights are
-    `route`'s of those logits. Differentiable in x and router as the composition is.
+    exactly that composition. The logits are float32 sums of x's dtype products in either case
+    (the product's summation order differs between the two, so logits agree to float32
+    rounding); the ids and weights are `route`'s of those logits. Differentiable in x and router as the composition is.
 
     Args:
       x: [T, H] tokens, float.

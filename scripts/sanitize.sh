@@ -5,7 +5,7 @@
 # scripts/sanitize_decode_mlp_cases.py (the fused decode MLP; sm_90 only) and
 # scripts/sanitize_router_cases.py (route_tokens' fused router; sm_90 only).
 # Needs a CUDA GPU and the package installed.
-# Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and both case scripts; one
+# Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and every case script; one
 # sanitizer-<cases>-<tool>.log per case script and tool; SANITIZE_TOOLS="memcheck initcheck"
 # runs only those tools)
 # Prints one summary line per case script and tool; exits non-zero if any tool reports an error

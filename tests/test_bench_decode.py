@@ -1,5 +1,6 @@
-"""The decode benchmark runs end to end (python -m jax_moe_permute.bench --ops decode) on a tiny model and writes its
-rows; a profiler failure or a pure-JAX step out of memory is a None, not the end of the run."""
+"""The decode benchmark runs end to end (python -m jax_moe_permute.bench --ops decode) on a tiny
+model and writes its rows; a profiler failure or a pure-JAX step out of memory is a None, not
+the end of the run."""
 
 import importlib.util
 import json

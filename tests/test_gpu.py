@@ -125,9 +125,8 @@ DECODE_STEP_SCRIPT = textwrap.dedent("""
     ours = jax.jit(lambda *a: step(*a, jmp.moe_mlp, jnp.bfloat16))
     ref = jax.jit(lambda *a: step(*a, reference_moe_mlp, jnp.float32))
     with router_kernel.hidden_kernel_wherever_it_fits():  # the fused router for T <= 8, E = 16
-        ours = ours.lower(*(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
-                            ((T, H), (L, H, E), (L, E, H, 2 * F), (L, E, F, H)))).compile()
-    compiled = ours
+        compiled = ours.lower(*(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+                                ((T, H), (L, H, E), (L, E, H, 2 * F), (L, E, F, H)))).compile()
     text = compiled.as_text()
     print("CUSTOM_CALLS", sorted(set(re.findall(r'custom_call_target="(jax_moe_permute[.a-z_]*)"', text))))
     for i in range(6):  # fresh arrays each call: new inputs at new buffer addresses
@@ -136,7 +135,7 @@ DECODE_STEP_SCRIPT = textwrap.dedent("""
         router = jax.random.normal(k[1], (L, H, E), jnp.float32).astype(jnp.bfloat16)
         w_in = (jax.random.normal(k[2], (L, E, H, 2 * F), jnp.float32) / 16).astype(jnp.bfloat16)
         w_out = (jax.random.normal(k[3], (L, E, F, H), jnp.float32) / 11).astype(jnp.bfloat16)
-        got = np.asarray(ours(x, router, w_in, w_out), np.float32)
+        got = np.asarray(compiled(x, router, w_in, w_out), np.float32)
         want = np.asarray(ref(x, router, w_in, w_out), np.float32)
         err = np.abs(got - want).max() / max(np.abs(want).max(), 1.0)
         assert err < 3e-2, (i, err)

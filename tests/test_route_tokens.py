@@ -17,6 +17,11 @@ route = jax.jit(jmp.route, static_argnums=1, static_argnames=STATIC)
 DEEPSEEK = dict(scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)
 
 
+# The lowering's speed rule as router_kernel sets it (the fixture below lifts it for each test).
+SPEED_RULE = {name: getattr(router_kernel, name)
+              for name in ("HIDDEN_KERNEL_MAX_TOKENS", "HIDDEN_KERNEL_MIN_EXPERTS", "HIDDEN_MAX_ROUTER_BYTES")}
+
+
 @pytest.fixture(autouse=True)
 def kernel_wherever_it_fits():
     """The kernel on every case that fits it (every T up to 8, E from 8), past the lowering's speed
@@ -169,9 +174,8 @@ def test_speed_rule(monkeypatch):
     at most 1 MiB (where it measured faster), else the composition; forced, the kernel is exact on
     DeepSeek-V3's router too (7168 x 256, sigmoid, groups, bias). T = 2 for the forced check: a
     shape no other test traces route_tokens at, so that its cached lowering is this one's."""
-    for name in ("HIDDEN_KERNEL_MAX_TOKENS", "HIDDEN_KERNEL_MIN_EXPERTS", "HIDDEN_MAX_ROUTER_BYTES"):
-        monkeypatch.setattr(router_kernel, name, {"HIDDEN_KERNEL_MAX_TOKENS": 1, "HIDDEN_KERNEL_MIN_EXPERTS": 64,
-                                                  "HIDDEN_MAX_ROUTER_BYTES": 1 << 20}[name])
+    for name, value in SPEED_RULE.items():
+        monkeypatch.setattr(router_kernel, name, value)
     kernel = _native.has_target("cuda", "router_hidden") and gemm_primitives.gpu_is_sm90()
     for (T, H, E), fused in {(1, 2048, 128): kernel, (1, 4096, 128): kernel, (2, 2048, 128): False,
                              (1, 4096, 32): False, (1, 7168, 256): False}.items():
