@@ -1,0 +1,91 @@
+"""The decode step (bench_decode's L-layer scan, ours) under environment settings read when it is
+traced or called, one compile per (T, setting) in one process, so that kernel variants can be set
+against each other on the same weights (GPU only):
+
+    python benchmarks/micro/decode_step_ab.py MODEL LAYERS TOKENS SETTINGS [UNROLL]
+    e.g. qwen3 12 1,8 default,MOE_GROUPED_GEMM_TILE=decode,MOE_GROUPED_GEMM_TILE=decode+JAX_MOE_PERMUTE_DECODE_PDL=0
+
+SETTINGS: comma-separated, each `default` or NAME=VALUE joined by `+`. UNROLL: layers a loop
+iteration (0, the default: all of them, one CUDA graph a step, whose span is the device time).
+Prints per layer: the wall clock (median of 30 steps over four inputs), the trace's span (first
+kernel start to last kernel end) and kernel-time sum, kernels and graphs a step.
+
+    python benchmarks/micro/decode_step_ab.py --host MODEL LAYERS T UNROLL
+
+prints where the host's time of a step goes instead (the trace's host events by total time).
+Raw output of the runs quoted in BENCHMARKS.md: benchmarks/results/logs/decode-step-ab-h200.txt.
+"""
+import collections
+import glob
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+from jax.profiler import ProfileData
+
+from jax_moe_permute import bench_decode as bd
+
+
+def settings_of(text):
+    return [{} if s == "default" else dict(kv.split("=", 1) for kv in s.split("+")) for s in text.split(",")]
+
+
+def compiled_step(model, params, x, unroll):
+    return jax.jit(bd.decode_step("ours", model, unroll)).lower(x, params).compile()
+
+
+def per_layer(name, layers, tokens, settings, unroll=0):
+    model = bd.MODELS[name]
+    params = bd.stacked_weights(model, layers)
+    names = {k for s in settings for k in s}
+    for T in tokens:
+        xs = bd.decode_inputs(T, model.hidden)
+        for setting in settings:
+            for k in names:
+                os.environ.pop(k, None)
+            os.environ.update(setting)
+            u = unroll or layers
+            c = compiled_step(model, params, xs[0], u)
+            wall = bd.wall_us(c, xs, params, steps=30, warmup=5)
+            p = bd.profile_or_note(c, xs[0], params, iterations=5)  # (None: no device trace, e.g. on CPU)
+            each = lambda key, width: "-".rjust(width) if p[key] is None else f"{p[key] / layers:{width}.1f}"
+            print(f"{name} T={T:3d} L={layers} unroll={u:2d} {str(setting):60s} per layer: wall {wall / layers:7.1f} "
+                  f"span {each('device_span_us', 7)} ksum {each('device_us', 7)} kernels {each('kernels', 5)} "
+                  f"graphs {p['graph_launches']}", flush=True)
+
+
+def host_events(name, layers, T, unroll, steps=10):
+    model = bd.MODELS[name]
+    params = bd.stacked_weights(model, layers)
+    xs = bd.decode_inputs(T, model.hidden)
+    c = compiled_step(model, params, xs[0], unroll or layers)
+    for i in range(5):
+        jax.block_until_ready(c(xs[i % len(xs)], params))
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for i in range(steps):
+                jax.block_until_ready(c(xs[i % len(xs)], params))
+        planes = [plane for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+                  for plane in ProfileData.from_file(path).planes]
+    total, count = collections.Counter(), collections.Counter()
+    for plane in planes:
+        if plane.name.startswith("/host:"):
+            for line in plane.lines:
+                for e in line.events:
+                    total[e.name[:70]] += e.duration_ns
+                    count[e.name[:70]] += 1
+    print(f"host events {name} T={T} L={layers} unroll={unroll or layers}: us a step (events a step), nested events "
+          f"counted in their parents too")
+    for event, ns in total.most_common(25):
+        print(f"  {ns / 1e3 / steps:9.1f} ({count[event] / steps:6.1f})  {event}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--host":
+        host_events(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        per_layer(sys.argv[1], int(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")], settings_of(sys.argv[4]),
+                  int(sys.argv[5]) if len(sys.argv) > 5 else 0)
