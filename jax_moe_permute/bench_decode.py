@@ -263,6 +263,19 @@ def split_steps(events, steps: int) -> list[list[tuple]] | None:
     return parts if len({len(p) for p in parts}) == 1 else None
 
 
+def traced_planes(compiled, xs, params, steps: int) -> list:
+    """The jax.profiler trace's planes (CUPTI's device records, the host's events) of `steps` steps,
+    each blocked on, cycling through the inputs xs."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for i in range(steps):
+                jax.block_until_ready(compiled(xs[i % len(xs)], params))
+        return [plane for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+                for plane in ProfileData.from_file(path).planes]
+
+
 def trace_profile(compiled, x, params, steps: int = 5) -> dict:
     """One step as a jax.profiler trace (CUPTI's records) of `steps` steps shows it: device_us, the
     kernels' time summed (CUPTI device time; overlapping kernels count twice); device_span_us,
@@ -270,15 +283,8 @@ def trace_profile(compiled, x, params, steps: int = 5) -> dict:
     save); kernels, the device's kernels and copies; host_launches, those the host launched one
     by one (its launch events carry the kernel's name); graph_launches, CUDA graphs launched
     (XLA's command buffers replayed). Medians over the steps, per step."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(compiled(x, params))
-    with tempfile.TemporaryDirectory() as directory:
-        with jax.profiler.trace(directory):
-            for _ in range(steps):
-                jax.block_until_ready(compiled(x, params))
-        planes = [plane for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-                  for plane in ProfileData.from_file(path).planes]
+    planes = traced_planes(compiled, [x], params, steps)
     device, host = [], collections.Counter()
     for plane in planes:
         if plane.name.startswith("/device:GPU"):

@@ -16,15 +16,10 @@ prints where the host's time of a step goes instead (the trace's host events by 
 Raw output of the runs quoted in BENCHMARKS.md: benchmarks/results/logs/decode-step-ab-h200.txt.
 """
 import collections
-import glob
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 import jax
-from jax.profiler import ProfileData
 
 from jax_moe_permute import bench_decode as bd
 
@@ -64,12 +59,7 @@ def host_events(name, layers, T, unroll, steps=10):
     c = compiled_step(model, params, xs[0], unroll or layers)
     for i in range(5):
         jax.block_until_ready(c(xs[i % len(xs)], params))
-    with tempfile.TemporaryDirectory() as directory:
-        with jax.profiler.trace(directory):
-            for i in range(steps):
-                jax.block_until_ready(c(xs[i % len(xs)], params))
-        planes = [plane for path in glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-                  for plane in ProfileData.from_file(path).planes]
+    planes = bd.traced_planes(c, xs, params, steps)
     total, count = collections.Counter(), collections.Counter()
     for plane in planes:
         if plane.name.startswith("/host:"):
