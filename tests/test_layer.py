@@ -102,7 +102,8 @@ def test_second_order_matches_dense():
 
     ours, ref = jax.jit(lambda: hvp(jmp.moe_mlp))(), jax.jit(lambda: hvp(dense_moe))()
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)):
-        assert_allclose(a, b, 2e-4)
+        scale = float(jnp.abs(b).max())  # second derivatives reach ~1e2: compare relative to each leaf's size
+        assert_allclose(a / scale, b / scale, 2e-4)
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3"])

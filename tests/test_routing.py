@@ -118,13 +118,13 @@ def test_balanced_router_loss_is_k():
 
 def logits_away_from_switches(shape, K, kw, tries=50):
     """Random logits whose choice (top-k and group choice) no small perturbation changes:
-    check_grads' finite differences (steps of about 1e-4 along a random direction) must not cross
+    check_grads' finite differences (steps of 1e-3 along a random normal direction) must not cross
     a switch, where the function has no derivative."""
     for attempt in range(tries):
         logits = random_float(shape, jnp.float32, 2.0)
         ids = np.asarray(jmp.route(logits, K, **kw).ids)
         keys = jax.random.split(jax.random.PRNGKey(attempt), 16)
-        if all(np.array_equal(ids, np.asarray(jmp.route(logits + 3e-3 * jax.random.normal(k, shape), K, **kw).ids))
+        if all(np.array_equal(ids, np.asarray(jmp.route(logits + 1e-2 * jax.random.normal(k, shape), K, **kw).ids))
                for k in keys):
             return logits
     raise AssertionError("no logits away from a switch")
@@ -137,9 +137,11 @@ def test_gradients(kw):
 
     def f(z):
         r = jmp.route(z, 2, **kw)
-        return (r.weights * jnp.arange(1.0, 3.0)).sum() + r.aux.router_z_loss + 0.5 * r.aux.load_balance_loss
+        return (r.weights * jnp.arange(1.0, 3.0)).sum() + 0.1 * r.aux.router_z_loss + 0.5 * r.aux.load_balance_loss
 
-    check_grads(jax.jit(f), (logits,), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
+    # float32 central differences carry |f| * 1e-7 / eps of rounding: a small f (the z loss, about
+    # lse^2 ~ 25, scaled down) and eps = 1e-3 keep that far below the tolerance for every seed.
+    check_grads(jax.jit(f), (logits,), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-3)
 
 
 def test_jit_vmap_and_empty():
