@@ -40,6 +40,7 @@ NB_MODULE(_cuda, m) {
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
     d["ragged_dot_decode"] = moe::capsule(MoeRaggedDotDecodeCuda);
     d["moe_mlp_decode"] = moe::capsule(MoeMlpDecodeCuda);
+    d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);
 #endif
     return d;
   });
@@ -57,5 +58,7 @@ NB_MODULE(_cuda, m) {
   m.def("ragged_dot_workspace_bytes", &moe::gemm::ragged_dot_workspace_bytes);
   m.def("ragged_dot_decode_workspace_bytes", &moe::gemm::ragged_dot_decode_workspace_bytes);
   m.def("moe_mlp_decode_workspace_bytes", &moe::gemm::moe_mlp_decode_workspace_bytes);
+  // gather_gemm_fits(tokens, hidden, experts, rows, n, activation): whether gather_gemm covers the call.
+  m.def("gather_gemm_fits", &moe::gemm::gather_gemm_fits);
 #endif
 }

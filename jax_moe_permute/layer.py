@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from . import decode_mlp, ops, primitives
+from . import decode_mlp, gather_gemm, ops, primitives
 from .grouped_gemm import ragged_dot
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -124,9 +124,12 @@ def moe_mlp(
 # [T*K, 2F] only, and recomputes in the backward what is cheap: the permuted rows (one gather),
 # the activation, and h * w. The gates' gradient needs no expert outputs: with h' = w * h,
 # out = sum_k (h'_k @ w_out), so d w_k = <(d out) @ w_out^T, h_k>. The forward (what inference
-# runs) is the plain composition, or for decode-sized calls the fused decode MLP (decode_mlp.py);
-# the tangent equals the composition's derivative to rounding, and derivatives of any order go
-# through the same kernels.
+# and the JVP's primal run) gathers the rows inside the first GEMM and applies the activation in
+# its epilogue where that kernel runs and is enabled (gather_gemm.py: sm_90, bf16/f16,
+# MOE_GATHER_GEMM=1 until its GPU tests have passed), for decode-sized calls
+# runs the fused decode MLP (decode_mlp.py), and is the plain composition elsewhere; the tangent
+# equals the composition's derivative to rounding, and derivatives of any order go through the
+# same kernels.
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
@@ -134,7 +137,28 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, activation, num_ex
     if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
         local = ids if expert_map is None else _local_ids(ids, expert_map)
         return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation)
+    if _gathers(x, ids, w_in, activation):
+        row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
+        h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation)
+        return ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype)
     return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts)
+
+
+def _gathers(x, ids, w_in, activation) -> bool:
+    """Whether the first GEMM gathers its rows from x itself (gather_gemm.py's fused kernel)."""
+    return x.shape[0] < _EXACT_TOKENS and gather_gemm.layer_kernel_applies(x, ids, w_in, activation)
+
+
+_EXACT_TOKENS = 2**24  # token indices ride through the permute as float32 values
+
+
+def routing_rows(x, ids, num_experts, expert_map=None, num_local_experts=None):
+    """The permute's layout without the permuted rows: (row_token [R] int32, the token of each row,
+    -1 on padding; group_sizes [L]; row_map [T, K]). The token indices are the permuted rows of a
+    one-column array (t + 1, exact in float32), so the [R, H] copy of x is never made."""
+    tokens = jnp.arange(1, x.shape[0] + 1, dtype=jnp.float32)[:, None]
+    res = ops.moe_permute(tokens, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
+    return res.hidden[:, 0].astype(jnp.int32) - 1, res.group_sizes, res.row_map
 
 
 def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None):
@@ -173,12 +197,16 @@ def _live(t):
 def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tangents):
     x, weights, ids, w_in, w_out, expert_map = primals
     dx, dweights, _, dw_in, dw_out, _ = (t if _live(t) else None for t in tangents)
-    res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
-    rows, sizes, row_map = res.hidden, res.group_sizes, res.row_map
-    num_rows = rows.shape[0]
-    gate_up = ragged_dot(rows, w_in, sizes)
-    out = ops.moe_unpermute(ragged_dot(apply_activation(gate_up, activation), w_out, sizes), row_map, weights,
-                            out_dtype=x.dtype)
+    if _gathers(x, ids, w_in, activation):  # the rows gathered and the activation applied in the first GEMM
+        row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
+        h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)
+    else:
+        res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
+        sizes, row_map = res.group_sizes, res.row_map
+        gate_up = ragged_dot(res.hidden, w_in, sizes)
+        h = apply_activation(gate_up, activation)
+    num_rows = gate_up.shape[0]
+    out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype)
     if dx is None and dweights is None and dw_in is None and dw_out is None:
         return out, jnp.zeros_like(out)
 

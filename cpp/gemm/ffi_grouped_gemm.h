@@ -11,6 +11,7 @@ XLA_FFI_Error* MoeRaggedDotCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotWeightGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotDecodeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeGatherGemmCuda(XLA_FFI_CallFrame* call_frame);  // ffi_gather_gemm_cuda.cc
 }
 
 namespace moe::gemm {
@@ -21,4 +22,6 @@ int64_t ragged_dot_decode_workspace_bytes(int64_t batch, int64_t groups, int64_t
 // Workspace bytes of the fused decode MLP's call (activation as moe_mlp_decode.h's MlpActivation).
 int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t ffn,
                                        int64_t in_cols, int64_t out_cols, int64_t activation);
+// Whether gather_gemm (gather_gemm.h) covers the call; activation as MlpActivation, n the columns of w.
+bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation);
 }  // namespace moe::gemm

@@ -1,0 +1,92 @@
+"""The fused first GEMM (gather_gemm: rows gathered from x, activation in the epilogue) against what
+it replaces (moe_permute + ragged_dot + swiglu) and a dense GEMM of the same FLOPs, then the whole
+moe_mlp layer with and without it, forward and jit(grad); CUPTI device time, one run (GPU only):
+
+    python benchmarks/micro/gather_gemm_ab.py [T] [OUT.txt] [MODELS, e.g. qwen3,deepseek]
+"""
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from jax_moe_permute import gather_gemm, layer, ops, routing
+from jax_moe_permute.bench_layer import MODELS  # name: (E, K, H, F)
+from jax_moe_permute.grouped_gemm import ragged_dot
+
+os.environ["MOE_GATHER_GEMM"] = "1"  # the layer's fused branch, off by default until verified
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+LOG = open(sys.argv[2], "a") if len(sys.argv) > 2 and sys.argv[2] != "-" else sys.stdout
+NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["qwen3", "deepseek", "mixtral"]
+
+
+def med(f, *a):
+    _, ms = profiler.measure(jax.jit(f), iterations=10)(*a)
+    return float(np.median(ms)) * 1e3
+
+
+def unfused_first_gemm(x, ids, w_in, E):
+    res = ops.moe_permute(x, ids, E)
+    return layer.apply_activation(ragged_dot(res.hidden, w_in, res.group_sizes), "swiglu")
+
+
+def fused_first_gemm(x, ids, w_in, E, save_pre=False):
+    row_token, sizes, _ = layer.routing_rows(x, ids, E)
+    out, pre = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation="swiglu", save_pre=save_pre)
+    return out if pre is None else (out, pre)
+
+
+def rel_err(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+for name in NAMES:
+    E, K, H, F = MODELS[name]
+    ks = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
+    w_in = (jax.random.normal(ks[2], (E, H, 2 * F), jnp.float32) * H ** -0.5).astype(jnp.bfloat16)
+    w_out = (jax.random.normal(ks[3], (E, F, H), jnp.float32) * F ** -0.5).astype(jnp.bfloat16)
+    dense_a = jax.random.normal(ks[4], (T * K, H), jnp.bfloat16)
+    dense_b = w_in[0]
+    flop = 2.0 * T * K * H * 2 * F
+    t_dense = med(jnp.dot, dense_a, dense_b)
+    uniform = (jnp.arange(T * K, dtype=jnp.int32) % E).reshape(T, K)
+    r = routing.route(jax.random.normal(ks[1], (T, E), jnp.float32), K)
+    for routing_name, ids in (("uniform", uniform), ("routed", r.ids)):
+        fused = functools.partial(fused_first_gemm, E=E)
+        unfused = functools.partial(unfused_first_gemm, E=E)
+        err = rel_err(jax.jit(fused)(x, ids, w_in), jax.jit(unfused)(x, ids, w_in))
+        t_f, t_fp, t_u = med(fused, x, ids, w_in), med(functools.partial(fused, save_pre=True), x, ids, w_in), \
+            med(unfused, x, ids, w_in)
+        print(f"{name} T={T} {routing_name}: first GEMM fused {t_f:.1f} us ({flop / t_f / 1e6:.0f} TFLOP/s), "
+              f"fused+pre {t_fp:.1f}, permute+ragged_dot+swiglu {t_u:.1f} (fused x{t_u / t_f:.2f}); "
+              f"dense {t_dense:.1f} ({flop / t_dense / 1e6:.0f} TFLOP/s, fused/dense {t_dense / t_f:.2f}); "
+              f"max rel diff {err:.1e}", file=LOG, flush=True)
+
+    # The layer: moe_mlp as shipped against the same call with the gathered branch off.
+    ct = jax.random.normal(ks[5], (T, H), jnp.bfloat16).astype(jnp.float32)
+    args = (x, r.weights, w_in, w_out)
+    times, results = {}, {}
+    for tag, on in (("fused", True), ("unfused", False)):
+        # Fresh functions per tag: jit caches its trace on the function object, and the branch is
+        # chosen while tracing.
+        layer_fn = lambda x, w, wi, wo: layer.moe_mlp(x, w, r.ids, wi, wo)
+        grad = jax.grad(lambda x, w, wi, wo: jnp.vdot(layer_fn(x, w, wi, wo).astype(jnp.float32), ct),
+                        argnums=(0, 1, 2, 3))
+        gathers = layer._gathers
+        layer._gathers = gathers if on else (lambda *a: False)
+        try:
+            results[tag] = (jax.jit(layer_fn)(*args), jax.jit(grad)(*args))
+            times[tag] = (med(layer_fn, *args), med(grad, *args))
+        finally:
+            layer._gathers = gathers
+    errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(results["fused"]), jax.tree.leaves(results["unfused"]))]
+    (f_fwd, f_bwd), (u_fwd, u_bwd) = times["fused"], times["unfused"]
+    print(f"{name} T={T} layer (routed): fwd fused {f_fwd:.0f} us / unfused {u_fwd:.0f} (x{u_fwd / f_fwd:.3f}); "
+          f"jit(grad) fused {f_bwd:.0f} / unfused {u_bwd:.0f} (x{u_bwd / f_bwd:.3f}); "
+          f"max rel diff {max(errs):.1e}", file=LOG, flush=True)
+    del w_in, w_out, dense_a, results

@@ -1,0 +1,518 @@
+// gather_gemm on sm90a: out[r] = act(x[row_token[r]] · w[g(r)]) in one warp-specialized kernel.
+//
+// 384 threads per block: warpgroup 0 produces (cp.async gathers the 128 rows of A straight from
+// x, 8 threads per row so that each warp request reads whole 128-byte lines; TMA loads B from w),
+// warpgroups 1-2 consume (wgmma m64n256k16, 64 rows each) and run the epilogue (activation in
+// f32, one rounding, direct stores). Block tile 128 x 256 x 64, 4 stages.
+// Gated: the 256 accumulator columns are 128 gate columns and the 128 matching up columns, so
+// each thread holds gate column c and up column c + 128 and pairs them in registers.
+// Persistent grid; each block scans group_sizes itself (no workspace, no extra launch).
+#include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "cuda_check.h"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "gather_gemm.h"
+
+namespace moe::gemm {
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kTileRows = 128;
+constexpr int kTileCols = 256;  // accumulator columns per block tile
+constexpr int kTileK = 64;      // one 128-byte swizzle row of bf16/f16
+constexpr int kStages = 4;
+constexpr int kMaxExperts = 1024;
+constexpr int kBoxCols = 64;                                // TMA box: 64 columns x 64 k
+constexpr int kBoxBytes = kBoxCols * kTileK * 2;            // 8 KiB
+constexpr int kStageABytes = kTileRows * kTileK * 2;        // 16 KiB
+constexpr int kStageBBytes = kTileCols * kTileK * 2;        // 32 KiB
+constexpr int kBOffset = kStages * kStageABytes;
+constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
+constexpr int kGroupEndOffset = kBarrierOffset + 2 * kStages * 8;
+constexpr int kRowTileEndOffset = kGroupEndOffset + kMaxExperts * 4;
+constexpr int kSmemBytes = kRowTileEndOffset + kMaxExperts * 4 + 1024;  // + slack to align to 1024
+constexpr int kConsumerWarps = 8;
+constexpr int kFullArrivals = 128 + 1;  // one cp.async arrival per producer thread + the TMA thread's expect-tx
+
+struct Params {
+  const void* x;
+  const int32_t* row_token;
+  const int32_t* group_sizes;
+  const void* w;  // only as a harmless source address of zero-filling cp.async
+  void* out;
+  void* pre;  // nullptr: not written
+  int64_t tokens, hidden, experts, rows, n, ffn;
+  int activation;
+};
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Arrives on `bar` once all of this thread's earlier cp.async copies have landed (counted in the
+// barrier's initial arrival count: .noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// 16 bytes from src, or zeros when src_bytes is 0 (then src is not read).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// wgmma smem descriptor, 128-byte swizzle; offsets in bytes.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  uint64_t d = 0;
+  d |= uint64_t((smem_addr >> 4) & 0x3FFF);
+  d |= uint64_t((leading_bytes >> 4) & 0x3FFF) << 16;
+  d |= uint64_t((stride_bytes >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(1) << 62;  // layout type SWIZZLE_128B (base offset 0: every stage is 1024-aligned)
+  return d;
+}
+
+template <class T>
+struct GmmaOp;
+template <>
+struct GmmaOp<__nv_bfloat16> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+template <>
+struct GmmaOp<__half> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_call(uint64_t desc_a, uint64_t desc_b, float (&acc)[128], std::index_sequence<I...>) {
+  Op::fma(desc_a, desc_b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
+__device__ __forceinline__ void fence_accumulators(float (&acc)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+__device__ __forceinline__ float gelu_erf(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
+
+template <MlpActivation A>
+__device__ __forceinline__ float activate(float v) {
+  if constexpr (A == MlpActivation::kSwiglu) return silu(v);
+  if constexpr (A == MlpActivation::kGeglu || A == MlpActivation::kGelu) return gelu_erf(v);
+  if constexpr (A == MlpActivation::kRelu) return fmaxf(v, 0.f);
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// ---- tile schedule -----------------------------------------------------------------------------
+// Tiles run group by group; within a group the row tiles are fastest, then the column tiles, so
+// blocks running at once mostly share one expert's column block of w in L2.
+
+// 32-bit: gather_gemm_fits keeps M and the tile count below 2^31 - 4096.
+struct Tile {
+  int group;
+  int row0, row_end;  // rows [row0, min(row0 + 128, row_end)) of out
+  int col_tile;
+};
+
+__device__ __forceinline__ Tile decode_tile(int tile, const int32_t* group_end, const int32_t* row_tile_end,
+                                            int experts, int col_tiles) {
+  // The first group whose tile range ends after `tile` (empty groups end where the previous did).
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (row_tile_end[mid] * col_tiles > tile) hi = mid;
+    else lo = mid + 1;
+  }
+  const int g = lo;
+  const int first_row_tile = g == 0 ? 0 : row_tile_end[g - 1];
+  const int group_row_tiles = row_tile_end[g] - first_row_tile;
+  const int in_group = tile - first_row_tile * col_tiles;
+  const int group_start = g == 0 ? 0 : group_end[g - 1];
+  Tile t;
+  t.group = g;
+  t.col_tile = in_group / group_row_tiles;
+  t.row0 = group_start + (in_group - t.col_tile * group_row_tiles) * kTileRows;
+  t.row_end = group_end[g];
+  return t;
+}
+
+// Warp 0: group ends (clamped to M) and the running count of 128-row tiles, into shared memory.
+__device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_tile_end) {
+  const int lane = threadIdx.x & 31;
+  int64_t rows_before = 0;
+  int32_t tiles_before = 0;
+  for (int base = 0; base < p.experts; base += 32) {
+    const int g = base + lane;
+    const int64_t size = g < p.experts ? max(p.group_sizes[g], 0) : 0;
+    int64_t rows_incl = size;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int64_t y = __shfl_up_sync(0xffffffffu, rows_incl, off);
+      if (lane >= off) rows_incl += y;
+    }
+    rows_incl += rows_before;
+    const int64_t end = min(rows_incl, p.rows), start = min(rows_incl - size, p.rows);
+    const int32_t tiles = int32_t((end - start + kTileRows - 1) / kTileRows);
+    int32_t tiles_incl = tiles;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, tiles_incl, off);
+      if (lane >= off) tiles_incl += y;
+    }
+    tiles_incl += tiles_before;
+    if (g < p.experts) {
+      group_end[g] = int32_t(end);
+      row_tile_end[g] = tiles_incl;
+    }
+    rows_before = __shfl_sync(0xffffffffu, rows_incl, 31);
+    tiles_before = __shfl_sync(0xffffffffu, tiles_incl, 31);
+  }
+}
+
+// ---- epilogue ----------------------------------------------------------------------------------
+// wgmma m64nNk16 f32 accumulator of thread (warp wi, lane l) of a warpgroup: value i sits at row
+// 16 * wi + l / 4 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + 2 * (l % 4) + i % 2.
+
+template <class T, bool kGated, MlpActivation A>
+__device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = t.row0 + row_in_tile + 8 * half;
+    if (row >= t.row_end) continue;
+    if constexpr (kGated) {
+      const int f = int(p.ffn);
+      const int col0 = t.col_tile * 128 + 2 * (lane & 3);
+      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + int64_t(row) * f + col0);
+      uint32_t* pre = p.pre == nullptr ? nullptr : reinterpret_cast<uint32_t*>(static_cast<T*>(p.pre) + int64_t(row) * p.n + col0);
+#pragma unroll
+      for (int q = 0; q < 16; ++q) {
+        const int i = 4 * q + 2 * half;
+        const float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + 64], u1 = acc[i + 65];
+        out[4 * q] = pack2<T>(activate<A>(g0) * u0, activate<A>(g1) * u1);  // 4 u32 = 8 columns per q
+        if (pre != nullptr) {
+          pre[4 * q] = pack2<T>(g0, g1);
+          pre[4 * q + f / 2] = pack2<T>(u0, u1);
+        }
+      }
+    } else {
+      const int col0 = t.col_tile * kTileCols + 2 * (lane & 3);
+      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + int64_t(row) * p.n + col0);
+      uint32_t* pre = p.pre == nullptr ? nullptr : reinterpret_cast<uint32_t*>(static_cast<T*>(p.pre) + int64_t(row) * p.n + col0);
+      // N % 128 == 0: the last column tile holds 128 or 256 columns.
+      const bool right_half = int(p.n) - t.col_tile * kTileCols > 128;
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        const int i = 4 * q + 2 * half;
+        if (q < 16 || right_half) {
+          out[4 * q] = pack2<T>(activate<A>(acc[i]), activate<A>(acc[i + 1]));
+          if (pre != nullptr) pre[4 * q] = pack2<T>(acc[i], acc[i + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Rows [sum(sizes), M) of out and pre are zeros; spread over the consumer threads of all blocks.
+__device__ void zero_uncovered_rows(const Params& p, int64_t covered, int consumer_thread) {
+  const int64_t out_cols = p.ffn;
+  const int64_t stride = int64_t(gridDim.x) * 256;
+  const int64_t first = int64_t(blockIdx.x) * 256 + consumer_thread;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // Row widths are multiples of 128 elements, so both regions are whole 16-byte chunks.
+  const int64_t out_chunks = (p.rows - covered) * out_cols / 8;
+  uint4* out = reinterpret_cast<uint4*>(static_cast<char*>(p.out) + covered * out_cols * 2);
+  for (int64_t c = first; c < out_chunks; c += stride) out[c] = zero;
+  if (p.pre != nullptr) {
+    const int64_t pre_chunks = (p.rows - covered) * p.n / 8;
+    uint4* pre = reinterpret_cast<uint4*>(static_cast<char*>(p.pre) + covered * p.n * 2);
+    for (int64_t c = first; c < pre_chunks; c += stride) pre[c] = zero;
+  }
+}
+
+// ---- the kernel --------------------------------------------------------------------------------
+
+template <class T, bool kGated>
+__global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap w_map) {
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle repeats every 1024 bytes of address: align the stages to it.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t full_bar = smem_base + kBarrierOffset;           // + 8 * stage
+  const uint32_t empty_bar = smem_base + kBarrierOffset + 8 * kStages;  // + 8 * stage
+  int32_t* group_end = reinterpret_cast<int32_t*>(smem + kGroupEndOffset);
+  int32_t* row_tile_end = reinterpret_cast<int32_t*>(smem + kRowTileEndOffset);
+
+  if (threadIdx.x < 32) scan_groups(p, group_end, row_tile_end);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, kFullArrivals);
+      mbar_init(empty_bar + 8 * s, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
+  }
+  __syncthreads();
+
+  const int experts = int(p.experts);
+  const int col_tiles = int(kGated ? p.ffn / 128 : (p.n + kTileCols - 1) / kTileCols);
+  const int tiles = row_tile_end[experts - 1] * col_tiles;
+  const int k_blocks = int((p.hidden + kTileK - 1) / kTileK);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // 56 x 128 + 224 x 256 = 168 x 384
+    // Thread t copies 16-byte chunk t % 8 of the 128-byte k-block slice of rows t / 8 + 16 j,
+    // j < 8: the 8 threads of a row read it whole and a warp instruction reads 4 full rows.
+    const int t = threadIdx.x;
+    const int chunk = t & 7, row_sub = t >> 3;
+    // Row r = row_sub + 16 j lands at r * 128 + ((chunk ^ (r % 8)) * 16): the K-major 128-byte
+    // swizzle wgmma reads (r % 8 == row_sub % 8 for every j).
+    const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
+    const T* x = static_cast<const T*>(p.x);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
+      int32_t token[8];  // -1: padding or an invalid token, zero-filled
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int row = tl.row0 + row_sub + 16 * j;
+        const int32_t tok = row < tl.row_end ? p.row_token[row] : -1;
+        token[j] = tok >= 0 && int64_t(tok) < p.tokens ? tok : -1;
+      }
+      // Gated: boxes 0-1 are gate columns [128 j, 128 j + 128), boxes 2-3 the up columns F + 128 j...
+      // Non-gated: 256 consecutive columns; boxes wholly past N are not loaded (their
+      // accumulator columns are not stored).
+      const int col_base = kGated ? tl.col_tile * 128 : tl.col_tile * kTileCols;
+      const bool right_half = kGated || int(p.n) - col_base > 128;  // N % 128 == 0: 2 or 4 boxes
+      const uint32_t stage_b_bytes = right_half ? 4 * kBoxBytes : 2 * kBoxBytes;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t full = full_bar + 8 * stage;
+        if (t == 0) {
+          mbar_arrive_expect_tx(full, stage_b_bytes);
+          const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes;
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const int col = kGated ? (b < 2 ? col_base + b * kBoxCols : int(p.ffn) + col_base + (b - 2) * kBoxCols)
+                                   : col_base + b * kBoxCols;
+            if (b < 2 || right_half) tma_load_3d(b_stage + b * kBoxBytes, &w_map, full, col, kb * kTileK, tl.group);
+          }
+        }
+        // Missing rows and the K tail are zero-filled.
+        const uint32_t a_stage = smem_base + stage * kStageABytes + a_offset;
+        const int k = kb * kTileK + chunk * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const bool in = token[j] >= 0 && k < p.hidden;
+          const void* src = in ? static_cast<const void*>(x + int64_t(token[j]) * p.hidden + k) : p.w;
+          cp_async_16_zfill(a_stage + j * (16 * 128), src, in ? 16 : 0);
+        }
+        cp_async_arrive_noinc(full);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    using Op = typename GmmaOp<T>::type;
+    const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
+    const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
+    float acc[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      int prev_stage = -1;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        // cp.async wrote A through the generic proxy; wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * (64 * 128);
+        const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
+        fence_accumulators(acc);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int k = 0; k < kTileK / 16; ++k) {
+          // A, K-major: +32 bytes per k16 inside the swizzled row; 8-row groups 1024 bytes apart.
+          // B, N-major: +16 k rows = 2048 bytes; 64-column boxes 8192 bytes apart (leading),
+          // 8-k-row groups 1024 bytes apart (stride).
+          const uint64_t desc_a = gmma_desc(a_addr + k * 32, 16, 1024);
+          const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
+          gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();  // the previous k-block's wgmma are done: release its stage
+        fence_accumulators(acc);
+        if (prev_stage >= 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+        }
+        prev_stage = stage;
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc);
+      if (prev_stage >= 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+      }
+      if constexpr (kGated) {
+        if (p.activation == int(MlpActivation::kSwiglu)) store_tile<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, acc);
+        else store_tile<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, acc);
+      } else {
+        if (p.activation == int(MlpActivation::kGelu)) store_tile<T, false, MlpActivation::kGelu>(p, tl, row_in_tile, acc);
+        else store_tile<T, false, MlpActivation::kRelu>(p, tl, row_in_tile, acc);
+      }
+    }
+    zero_uncovered_rows(p, group_end[experts - 1], threadIdx.x - 128);
+  }
+}
+
+// ---- host --------------------------------------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+        cudaSuccess)
+      return nullptr;
+#else
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
+      return nullptr;
+#endif
+    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
+  }();
+  return fn;
+}
+
+// w [E, H, N] as a 3-D tensor (innermost first: N, H, E), boxes of 64 columns x 64 k x 1 expert,
+// 128-byte swizzle (the N-major layout wgmma reads). Out-of-range k (the tail of H) reads zeros.
+cudaError_t make_w_map(const GatherGemmArgs& a, CUtensorMapDataType type, CUtensorMap* map) {
+  EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(a.hidden), cuuint64_t(a.experts)};
+  const cuuint64_t strides[2] = {cuuint64_t(a.n) * 2, cuuint64_t(a.hidden) * cuuint64_t(a.n) * 2};  // bytes, dims 1-2
+  const cuuint32_t box[3] = {kBoxCols, kTileK, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, type, 3, const_cast<void*>(a.w), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <class T, bool kGated>
+cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
+  CUtensorMap map;
+  MOE_CUDA_TRY(make_w_map(a, type, &map));
+  Params p;
+  p.x = a.x, p.row_token = a.row_token, p.group_sizes = a.group_sizes, p.w = a.w;
+  p.out = a.out, p.pre = a.save_pre ? a.pre : nullptr;
+  p.tokens = a.tokens, p.hidden = a.hidden, p.experts = a.experts, p.rows = a.rows, p.n = a.n;
+  p.ffn = kGated ? a.n / 2 : a.n;
+  p.activation = int(a.activation);
+  // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
+  const int64_t col_tiles = kGated ? p.ffn / 128 : (a.n + kTileCols - 1) / kTileCols;
+  const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * col_tiles));
+  auto kernel = gather_gemm_kernel<T, kGated>;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, map);
+  MOE_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation) {
+  if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return false;
+  const int64_t ffn = gather_gemm_gated(MlpActivation(activation)) ? n / 2 : n;
+  if (n <= 0 || ffn % 128 != 0 || (gather_gemm_gated(MlpActivation(activation)) && n != 2 * ffn)) return false;
+  if (hidden <= 0 || hidden % 8 != 0 || experts < 1 || experts > kMaxExperts) return false;
+  // Rows and tile indices are int32 in the kernel, with headroom for a tile's 128 rows and the grid stride.
+  constexpr int64_t kInt32Limit = (int64_t(1) << 31) - 4096;
+  if (rows < 0 || rows >= kInt32Limit || tokens < 0 || tokens >= (int64_t(1) << 31)) return false;
+  // TMA coordinates are int32; the kernel counts tiles in int32 (bounded as in the launcher).
+  if (n >= (int64_t(1) << 31) || hidden >= (int64_t(1) << 31)) return false;
+  const int64_t col_tiles = gather_gemm_gated(MlpActivation(activation)) ? ffn / 128 : (n + 255) / 256;
+  return ((rows + 127) / 128 + std::min(experts, rows)) * col_tiles < kInt32Limit;
+}
+
+cudaError_t gather_gemm(Dtype dtype, const GatherGemmArgs& a, cudaStream_t stream) {
+  if (!gather_gemm_fits(a.tokens, a.hidden, a.experts, a.rows, a.n, int64_t(a.activation))) return cudaErrorInvalidValue;
+  if (a.rows == 0) return cudaSuccess;
+  const bool gated = gather_gemm_gated(a.activation);
+  if (dtype == Dtype::kBf16)
+    return gated ? launch<__nv_bfloat16, true>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
+                 : launch<__nv_bfloat16, false>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  return gated ? launch<__half, true>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream)
+               : launch<__half, false>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+}
+
+}  // namespace moe::gemm

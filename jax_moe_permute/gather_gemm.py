@@ -1,0 +1,147 @@
+"""The first grouped GEMM of the expert MLP with the token gather and the activation fused in:
+
+  gather_gemm  (x [T, H], row_token [M] int32, group_sizes [G] int32, w [G, H, N])
+               -> out [M, F] = act(x[row_token[r]] · w[g(r)]),   pre [M, N] = x[row_token[r]] · w[g(r)]
+
+Row r belongs to group g(r) as in `ragged_dot` (group g holds the next group_sizes[g] rows);
+rows past the sum, and rows whose token is outside [0, T), are zero in both outputs. Gated
+activations (swiglu, geglu) take N = 2F columns [gate | up] and give act(gate) * up; gelu and
+relu take N = F. `pre` (the pre-activation, what the backward keeps) is computed only when asked.
+
+On sm_90 it lowers to one kernel (cpp/gemm/gather_gemm.cu: cp.async row gathers from x into the
+wgmma operand, the activation in the epilogue), so the permuted copy [M, H] of the tokens and the
+pre-activation are never written; elsewhere, or for shapes the kernel does not take, to the
+unfused composition (a gather, `ragged_dot`, the activation), which also gives its derivatives
+and its batching.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _compat, _native, gemm_primitives
+from .grouped_gemm import ragged_dot
+
+gather_gemm_p = Primitive("jax_moe_permute_gather_gemm")
+gather_gemm_p.multiple_results = True
+
+# layer.ACTIVATIONS in the kernel's numbering (moe_mlp_decode.h, MlpActivation).
+ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3}
+_GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def kernel_fits(x, w, rows: int, activation: str) -> bool:
+    """Whether the fused kernel takes these static shapes and dtypes (its launcher's own rule)."""
+    if not (_native.has_target("cuda", "gather_gemm") and gemm_primitives.kernels_available()):
+        return False
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or w.dtype != x.dtype:
+        return False
+    (T, H), (G, _, N) = x.shape, w.shape
+    return _native.kernel_fits("cuda", "gather_gemm", T, H, G, rows, N, ACTIVATION_CODES[activation])
+
+
+def layer_enabled() -> bool:
+    """Whether `layer.moe_mlp` may take the fused kernel: only with MOE_GATHER_GEMM=1 (read at
+    trace time) until the kernel's GPU tests (tests/test_gather_gemm.py) have passed on an sm_90
+    device; the primitive itself runs the kernel wherever it fits."""
+    return os.environ.get("MOE_GATHER_GEMM", "0") == "1"
+
+
+def layer_kernel_applies(x, ids, w_in, activation: str) -> bool:
+    """Whether `layer.moe_mlp` runs its first GEMM on the fused kernel: enabled, it fits, and the
+    call is not decode-sized (those take the decode kernels)."""
+    rows = x.shape[0] * ids.shape[1]
+    return (layer_enabled() and rows > 0 and kernel_fits(x, w_in, rows, activation)
+            and not gemm_primitives.use_decode_kernel(1, rows, w_in.shape[0]))
+
+
+def gather_gemm(x, row_token, group_sizes, w, *, activation: str, save_pre: bool = False):
+    """(out [M, F], pre [M, N] or None); see the module docstring."""
+    for name, a, ndim in (("x", x, 2), ("row_token", row_token, 1), ("group_sizes", group_sizes, 1), ("w", w, 3)):
+        if not hasattr(a, "shape") or a.ndim != ndim:
+            raise ValueError(f"gather_gemm: {name} must be a {ndim}-D array, got {getattr(a, 'shape', type(a))}")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"gather_gemm: activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"gather_gemm: w must have shape [G, H, N] with H = {x.shape[1]} (from x), "
+                         f"got {tuple(w.shape)}")
+    if w.shape[0] != group_sizes.shape[0]:
+        raise ValueError(f"gather_gemm: group_sizes must have shape [G] = [{w.shape[0]}] (from w), "
+                         f"got {tuple(group_sizes.shape)}")
+    if _GATED[activation] and w.shape[2] % 2:
+        raise ValueError(f"gather_gemm: w's last dimension must be even ([gate | up]) for {activation!r}, "
+                         f"got {w.shape[2]}")
+    for name, a in (("row_token", row_token), ("group_sizes", group_sizes)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise TypeError(f"gather_gemm: {name} must be an integer array, got {a.dtype}")
+    args = _compat.pvary_to_match(x, row_token.astype(jnp.int32), group_sizes.astype(jnp.int32), w.astype(x.dtype))
+    out, pre = gather_gemm_p.bind(*args, activation=activation, save_pre=bool(save_pre))
+    return out, (pre if save_pre else None)
+
+
+def gathered_rows(x, row_token):
+    """x[row_token[r]] for each row, zero where the token is outside [0, T)."""
+    if x.shape[0] == 0:  # no tokens: every row is zero
+        return jnp.zeros((row_token.shape[0], x.shape[1]), x.dtype)
+    valid = (row_token >= 0) & (row_token < x.shape[0])
+    rows = jnp.take(x, jnp.where(valid, row_token, 0), axis=0)
+    return jnp.where(valid[:, None], rows, jnp.zeros((), x.dtype))
+
+
+def _unfused(x, row_token, group_sizes, w, *, activation, save_pre):
+    from .layer import apply_activation  # layer binds this primitive: import it when first used
+
+    pre = ragged_dot(gathered_rows(x, row_token), w, group_sizes)
+    out = apply_activation(pre, activation)
+    return out, (pre if save_pre else jnp.zeros((0, w.shape[2]), x.dtype))
+
+
+def _abstract(x, row_token, group_sizes, w, *, activation, save_pre):
+    avals = (x, row_token, group_sizes, w)
+    M, N = row_token.shape[0], w.shape[2]
+    F = N // 2 if _GATED[activation] else N
+    return (_compat.shaped_like(avals, (M, F), x.dtype),
+            _compat.shaped_like(avals, (M if save_pre else 0, N), x.dtype))
+
+
+def _lower_cuda(ctx, x, row_token, group_sizes, w, *, activation, save_pre):
+    x_aval, token_aval, _, w_aval = ctx.avals_in
+    if (_compat.lowers_for_many_devices(ctx) or token_aval.shape[0] == 0
+            or not kernel_fits(x_aval, w_aval, token_aval.shape[0], activation)):
+        return _lower_unfused(ctx, x, row_token, group_sizes, w, activation=activation, save_pre=save_pre)
+    call = jax.ffi.ffi_lowering(_native.target("gather_gemm"))
+    return call(ctx, x, row_token, group_sizes, w, activation=np.int64(ACTIVATION_CODES[activation]),
+                save_pre=np.int64(save_pre))
+
+
+def _batch(args, dims, *, activation, save_pre):
+    """A vmapped call runs the unfused composition (whose ops batch into single launches)."""
+    f = functools.partial(_unfused, activation=activation, save_pre=save_pre)
+    return jax.vmap(f, in_axes=dims)(*args), (0, 0)
+
+
+def _jvp(primals, tangents, *, activation, save_pre):
+    """Derivatives through the unfused composition (our grouped GEMM and a gather)."""
+    x, row_token, group_sizes, w = primals
+    dx, _, _, dw = (ad.instantiate_zeros(t) for t in tangents)
+    f = lambda x, w: _unfused(x, row_token, group_sizes, w, activation=activation, save_pre=save_pre)
+    return jax.jvp(f, (x, w), (dx, dw))
+
+
+_lower_unfused = mlir.lower_fun(_unfused, multiple_results=True)
+
+gather_gemm_p.def_impl(jax.jit(gather_gemm_p.bind, static_argnames=("activation", "save_pre")))
+gather_gemm_p.def_abstract_eval(_abstract)
+mlir.register_lowering(gather_gemm_p, _lower_unfused)
+batching.primitive_batchers[gather_gemm_p] = _batch
+ad.primitive_jvps[gather_gemm_p] = _jvp
+if _native.has_target("cuda", "gather_gemm"):
+    mlir.register_lowering(gather_gemm_p, _lower_cuda, platform="cuda")

@@ -1,0 +1,212 @@
+"""The fused gather + grouped GEMM + activation (gather_gemm.gather_gemm): the primitive against the
+float32 `precision=HIGHEST` reference on every backend (its unfused lowering on CPU), its batching
+and JVP, bad arguments; the layer's branch that uses it (forced on CPU, chosen on the GPU) against
+the dense MoE forward and gradients; on the GPU the kernel itself: every activation and dtype,
+groups empty / one row / around the 128-row tile, tokens out of range, rows past the groups' sum,
+the K tail of H, bitwise reproducible, equal to the unfused path to rounding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_permute as jmp
+from jax_moe_permute import gather_gemm, layer
+from conftest import fresh_key, needs_gpu, random_float
+from test_layer import assert_allclose, dense_moe, layer_inputs
+
+ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
+GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+TARGET = "jax_moe_permute.gather_gemm"
+
+
+def problem(T, H, F, sizes, activation, dtype, extra_rows=0):
+    """x [T, H], row_token [M] (with tokens -1 and T among them), group_sizes, w [G, H, N]."""
+    sizes = np.asarray(sizes, np.int32)
+    M = int(np.clip(sizes, 0, None).sum()) + extra_rows
+    N = 2 * F if GATED[activation] else F
+    tokens = np.array(jax.random.randint(fresh_key(), (M,), 0, max(T, 1)))
+    if M >= 3:
+        tokens[1], tokens[M // 2] = -1, T  # no input: zero rows
+    x = random_float((T, H), dtype)
+    w = random_float((len(sizes), H, N), dtype, 1.0 / np.sqrt(H))
+    return x, jnp.asarray(tokens, jnp.int32), jnp.asarray(sizes), w
+
+
+def reference(x, row_token, group_sizes, w, activation):
+    """Float32, precision HIGHEST: each row's own expert by an explicit group id."""
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    rows = gather_gemm.gathered_rows(x32, row_token)
+    sizes = np.clip(np.asarray(group_sizes), 0, None)
+    group = np.repeat(np.arange(len(sizes)), sizes)[:rows.shape[0]]
+    live = np.zeros(rows.shape[0], bool)
+    live[:len(group)] = True
+    group = np.concatenate([group, np.zeros(rows.shape[0] - len(group), int)])
+    pre = jnp.einsum("mh,mhn->mn", rows, w32[group], precision=jax.lax.Precision.HIGHEST)
+    pre = jnp.where(live[:, None], pre, 0.0)
+    return layer.apply_activation(pre, activation), pre
+
+
+def check(x, row_token, sizes, w, activation, tol):
+    f = jax.jit(functools.partial(gather_gemm.gather_gemm, activation=activation, save_pre=True))
+    out, pre = f(x, row_token, sizes, w)
+    want_out, want_pre = reference(x, row_token, sizes, w, activation)
+    scale = max(float(jnp.abs(want_pre).max(initial=0.0)), 1.0)
+    assert out.shape == want_out.shape and out.dtype == x.dtype
+    assert_allclose(out / scale, want_out / scale, tol)
+    assert_allclose(pre / scale, want_pre / scale, tol)
+    out_only, none = jax.jit(functools.partial(gather_gemm.gather_gemm, activation=activation))(x, row_token, sizes, w)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(out_only, np.float32), np.asarray(out, np.float32))
+    return f
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("T,H,F,sizes,extra", [
+    (7, 16, 8, [3, 0, 5, 2], 0), (5, 8, 3, [4], 2), (1, 1, 1, [1, 0], 0), (0, 8, 4, [0, 0], 3),
+    (9, 24, 16, [0, 6, 1, 0, 4], 1)])
+def test_primitive_matches_reference(activation, T, H, F, sizes, extra):
+    check(*problem(T, H, F, sizes, activation, jnp.float32, extra), activation, 1e-5)
+
+
+def test_primitive_vmap_and_jvp():
+    x, tokens, sizes, w = problem(6, 8, 4, [2, 3, 4], "swiglu", jnp.float32)
+    xs = jnp.stack([x, random_float(x.shape, x.dtype)])
+    f = functools.partial(gather_gemm.gather_gemm, activation="swiglu", save_pre=True)
+    outs = jax.jit(jax.vmap(f, (0, None, None, None)))(xs, tokens, sizes, w)
+    for v in range(2):
+        want = reference(xs[v], tokens, sizes, w, "swiglu")
+        for got, ref in zip(outs, want):
+            assert_allclose(got[v], ref)
+    dx, dw = random_float(x.shape, x.dtype), random_float(w.shape, w.dtype)
+    g = lambda x, w: reference(x, tokens, sizes, w, "swiglu")
+    (out, pre), (d_out, d_pre) = jax.jvp(lambda x, w: f(x, tokens, sizes, w), (x, w), (dx, dw))
+    (want, want_pre), (d_want, d_want_pre) = jax.jvp(g, (x, w), (dx, dw))
+    for a, b in ((out, want), (pre, want_pre), (d_out, d_want), (d_pre, d_want_pre)):
+        assert_allclose(a, b, 1e-5)
+
+
+def test_bad_arguments():
+    x, tokens, sizes, w = problem(4, 8, 4, [2, 2], "swiglu", jnp.float32)
+    f = gather_gemm.gather_gemm
+    with pytest.raises(ValueError, match="activation"):
+        f(x, tokens, sizes, w, activation="tanh")
+    with pytest.raises(ValueError, match="x must"):
+        f(x[0], tokens, sizes, w, activation="swiglu")
+    with pytest.raises(ValueError, match="w must"):
+        f(x, tokens, sizes, w[:, :4], activation="swiglu")
+    with pytest.raises(ValueError, match="group_sizes"):
+        f(x, tokens, sizes[:1], w, activation="swiglu")
+    with pytest.raises(ValueError, match="even"):
+        f(x, tokens, sizes, w[..., :7], activation="swiglu")
+    with pytest.raises(TypeError, match="row_token"):
+        f(x, tokens.astype(jnp.float32), sizes, w, activation="swiglu")
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_layer_branch_matches_dense(monkeypatch, activation, with_map):
+    """moe_mlp's gathered branch (routing_rows, the primitive, the JVP's saved pre-activation),
+    forced where the kernel does not run: forward and gradients equal the dense MoE."""
+    monkeypatch.setattr(layer, "_gathers", lambda *a: True)
+    T, E, K, H, F = 13, 6, 3, 8, 5
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
+    ids = ids.at[0, 0].set(-1).at[1, 1].set(E).at[2, 2].set(ids[2, 1])
+    kwargs = dict(activation=activation)
+    expert_ids = None
+    if with_map:  # experts 0, 2, 4 live here, as local 0..2
+        expert_map = jnp.asarray([0, -1, 1, -1, 2, -1], jnp.int32)
+        kwargs.update(expert_map=expert_map, num_local_experts=3)
+        w_in, w_out, expert_ids = w_in[::2], w_out[::2], jnp.asarray([0, 2, 4])
+    ours = lambda x, w, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, **kwargs)
+    ref = lambda x, w, wi, wo: dense_moe(x, w, ids, wi, wo, activation, expert_ids)
+    assert_allclose(jax.jit(ours)(x, weights, w_in, w_out), ref(x, weights, w_in, w_out))
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    g = jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))(x, weights, w_in, w_out)
+    g_ref = jax.grad(loss(ref), (0, 1, 2, 3))(x, weights, w_in, w_out)
+    for a, b in zip(g, g_ref):
+        assert_allclose(a, b, 1e-4)
+
+
+def test_routing_rows_tokens():
+    """Each row's token, -1 past the routed rows (dropped ids), and the permute's own layout."""
+    x = random_float((5, 3), jnp.float32)
+    ids = jnp.asarray([[0, 2], [1, -1], [2, 2], [5, 0], [1, 0]], jnp.int32)
+    row_token, sizes, row_map = layer.routing_rows(x, ids, 3)
+    res = jmp.moe_permute(x, ids, 3)
+    np.testing.assert_array_equal(sizes, res.group_sizes)
+    np.testing.assert_array_equal(row_map, res.row_map)
+    rows = np.asarray(gather_gemm.gathered_rows(x, row_token))
+    np.testing.assert_array_equal(rows, np.asarray(res.hidden))
+    assert (np.asarray(row_token)[int(np.asarray(sizes).sum()):] == -1).all()
+
+
+# ---- the kernel on the GPU --------------------------------------------------------------
+
+def lowered_text(f, *args):
+    return jax.jit(f).lower(*args).as_text()
+
+
+GPU_SIZES = [
+    [128], [1], [0, 129, 0, 127], [255, 256, 1, 0, 3], [0] * 5 + [300] + [0] * 3, [64, 200, 17, 128, 130],
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_kernel_matches_reference(activation, dtype):
+    H, F = 200, 128  # H % 64 != 0: the K tail
+    for sizes in GPU_SIZES:
+        args = problem(97, H, F, sizes, activation, dtype, extra_rows=5)
+        if not gather_gemm.kernel_fits(args[0], args[3], args[1].shape[0], activation):
+            pytest.skip(f"the kernel does not take {activation} (gather_gemm_fits)")
+        f = functools.partial(gather_gemm.gather_gemm, activation=activation, save_pre=True)
+        assert TARGET in lowered_text(f, *args)
+        check(*args, activation, 2e-2)
+
+
+@needs_gpu
+def test_kernel_wide_and_reproducible():
+    """A Qwen3-like expert (H 2048, F 768), 8 experts of uneven rows: equal to the unfused path
+    to rounding, bitwise equal between two calls."""
+    args = problem(512, 2048, 768, [500, 0, 129, 1, 1000, 256, 7, 300], "swiglu", jnp.bfloat16)
+    f = jax.jit(functools.partial(gather_gemm.gather_gemm, activation="swiglu", save_pre=True))
+    out, pre = f(*args)
+    out2, pre2 = f(*args)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+    np.testing.assert_array_equal(np.asarray(pre, np.float32), np.asarray(pre2, np.float32))
+    want_out, want_pre = jax.jit(functools.partial(gather_gemm._unfused, activation="swiglu", save_pre=True))(*args)
+    scale = float(jnp.abs(want_pre.astype(jnp.float32)).max())
+    assert_allclose(pre / scale, want_pre / scale, 1e-2)
+    out_scale = float(jnp.abs(want_out.astype(jnp.float32)).max())  # out grows like pre^2 (gate * up)
+    assert_allclose(out / out_scale, want_out / out_scale, 2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_layer_uses_kernel_and_matches_dense(monkeypatch, activation):
+    """moe_mlp on kernel-sized experts takes the fused kernel (once enabled), forward and under
+    jax.grad."""
+    T, E, K, H, F = 256, 8, 4, 128, 128
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation, jnp.bfloat16)
+    f = functools.partial(jmp.moe_mlp, activation=activation)
+    monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
+    assert TARGET not in lowered_text(f, x, weights, ids, w_in, w_out)  # off by default
+    monkeypatch.setenv("MOE_GATHER_GEMM", "1")
+    assert TARGET in lowered_text(f, x, weights, ids, w_in, w_out)
+    ref = functools.partial(dense_moe, activation=activation)
+    f32 = lambda *a: [b.astype(jnp.float32) for b in a]
+    want = ref(*f32(x, weights), ids, *f32(w_in, w_out))
+    scale = float(jnp.abs(want).max())
+    assert_allclose(jax.jit(f)(x, weights, ids, w_in, w_out) / scale, want / scale, 3e-2)
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda g: lambda x, w, wi, wo: jnp.sum(g(x, w, ids, wi, wo).astype(jnp.float32) * ct)
+    grad = jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))
+    assert TARGET in jax.jit(grad).lower(x, weights, w_in, w_out).as_text()
+    for a, b in zip(grad(x, weights, w_in, w_out), jax.grad(loss(ref), (0, 1, 2, 3))(*f32(x, weights, w_in, w_out))):
+        s = max(float(jnp.abs(b).max()), 1e-6)
+        assert_allclose(a.astype(jnp.float32) / s, b / s, 3e-2)
