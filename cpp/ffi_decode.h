@@ -119,21 +119,29 @@ inline ffi::Error decode_permute(ffi::AnyBuffer hidden, I32Buffer ids, I32Buffer
   return ffi::Error::Success();
 }
 
-inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
-                                   int64_t has_weights, ffi::AnyBuffer out, UnpermuteArgs* a) {
+// Unpermute and scatter are each other's transpose: x [B, ., H] -> out [B, ., H] through
+// row_map [B, T, K] and weights [B, T, K], with the R permuted rows on the input side
+// (unpermute) or on the output side (scatter). The fields and checks they share.
+template <typename Args>
+ffi::Error decode_weighted_rows(const char* op, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                int64_t has_weights, ffi::AnyBuffer out, bool rows_in, Args* a) {
+  const std::string name(op);
   if (x.dimensions().size() != 3 || row_map.dimensions().size() != 3 ||
       weights.dimensions().size() != 3 || out.dimensions().size() != 3)
-    return invalid("unpermute expects expert_out [B,R,H], row_map [B,T,K], weights [B,T,K]");
+    return invalid(name + (rows_in ? " expects expert_out [B,R,H]" : " expects x [B,T,H]") +
+                   ", row_map [B,T,K], weights [B,T,K]");
   const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
-  const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
+  const int64_t H = x.dimensions()[2];
+  const int64_t R = rows_in ? x.dimensions()[1] : out.dimensions()[1];
   auto xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
        od = float_dtype(out.element_type());
-  if (!xd || !wd || !od) return invalid("unpermute: unsupported dtype");
-  if (out.dimensions()[1] != T || out.dimensions()[2] != H) return invalid("unpermute: bad output shape");
-  MOE_STRIDE(x_stride, x, R * H);
+  if (!xd || !wd || !od) return invalid(name + ": unsupported dtype");
+  const int64_t token_side = rows_in ? out.dimensions()[1] : x.dimensions()[1];
+  if (token_side != T || out.dimensions()[2] != H) return invalid(name + ": bad shapes");
+  MOE_STRIDE(x_stride, x, (rows_in ? R : T) * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
-  *a = UnpermuteArgs{};
+  *a = Args{};
   set_x(a, x, *xd, x_stride);
   a->rows = R;
   set_row_map(a, row_map, rm_stride);
@@ -144,29 +152,17 @@ inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::Any
   return ffi::Error::Success();
 }
 
+inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                   int64_t has_weights, ffi::AnyBuffer out, UnpermuteArgs* a) {
+  return decode_weighted_rows("unpermute", x, row_map, weights, has_weights, out, /*rows_in=*/true, a);
+}
+
 inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
                                  int64_t has_weights, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
                                  ScatterArgs* a) {
-  if (x.dimensions().size() != 3 || row_map.dimensions().size() != 3 ||
-      weights.dimensions().size() != 3 || out.dimensions().size() != 3)
-    return invalid("scatter expects x [B,T,H], row_map [B,T,K], weights [B,T,K]");
-  const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
-  const int64_t H = x.dimensions()[2], R = out.dimensions()[1];
-  auto xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
-       od = float_dtype(out.element_type());
-  if (!xd || !wd || !od) return invalid("scatter: unsupported dtype");
-  if (x.dimensions()[1] != T || out.dimensions()[2] != H) return invalid("scatter: bad shapes");
-  MOE_STRIDE(x_stride, x, T * H);
-  MOE_STRIDE(rm_stride, row_map, T * K);
-  MOE_STRIDE(w_stride, weights, T * K);
-  *a = ScatterArgs{};
-  set_x(a, x, *xd, x_stride);
-  a->rows = R;
-  set_row_map(a, row_map, rm_stride);
-  set_weights(a, has_weights ? weights.untyped_data() : nullptr, *wd, w_stride);
-  set_shape(a, batch, T, K, H);
-  a->out = out.untyped_data();
-  a->out_dtype = *od;
+  if (auto err = decode_weighted_rows("scatter", x, row_map, weights, has_weights, out, /*rows_in=*/false, a);
+      !err.success())
+    return err;
   set_workspace(a, workspace);
   return ffi::Error::Success();
 }
