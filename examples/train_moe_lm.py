@@ -4,6 +4,7 @@ parameters (a SwiGLU of width top_k * ffn_size), trained for the same steps.
 
     python examples/train_moe_lm.py            # GPU-sized run
     python examples/train_moe_lm.py --tiny     # about a minute on two CPU cores (CI)
+    python examples/train_moe_lm.py --token-rounding 128   # also an MoE with token rounding
 
 Characters are UTF-8 bytes (vocabulary 256); the last 10% of the files are the validation split.
 Prints both models' validation bits per character and training tokens per second (the steps after
@@ -26,6 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax_moe_permute import TokenRounding
 from jax_moe_permute.nnx import MoE
 
 # layers, width, heads, experts, top_k, ffn_size, context, batch, steps, corpus bytes, and the
@@ -86,12 +88,13 @@ class DenseMLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs, token_rounding=None):
         self.norm1 = nnx.RMSNorm(c["width"], rngs=rngs)
         dtype = jnp.dtype(c["dtype"])
         self.attn = Attention(c["width"], c["heads"], dtype, rngs=rngs)
         self.norm2 = nnx.RMSNorm(c["width"], rngs=rngs)
-        self.mlp = (MoE(c["width"], c["ffn"], c["experts"], c["top_k"], dtype=dtype, rngs=rngs) if moe
+        self.mlp = (MoE(c["width"], c["ffn"], c["experts"], c["top_k"], dtype=dtype, rngs=rngs,
+                        token_rounding=token_rounding) if moe
                     else DenseMLP(c["width"], c["top_k"] * c["ffn"], dtype, rngs=rngs))
 
     def __call__(self, x):
@@ -105,10 +108,10 @@ class Block(nnx.Module):
 
 
 class LM(nnx.Module):
-    def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs, token_rounding=None):
         self.embed = nnx.Embed(256, c["width"], rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (c["context"], c["width"])))
-        self.blocks = nnx.List([Block(c, moe, rngs=rngs) for _ in range(c["layers"])])
+        self.blocks = nnx.List([Block(c, moe, rngs=rngs, token_rounding=token_rounding) for _ in range(c["layers"])])
         self.norm = nnx.RMSNorm(c["width"], rngs=rngs)
 
     def __call__(self, tokens):
@@ -137,8 +140,8 @@ def loss_fn(model, x, y, aux_weight=1e-2, z_weight=1e-3):
     return ce + extra, ce
 
 
-def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: int = 10):
-    model = LM(c, moe, rngs=nnx.Rngs(seed))
+def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: int = 10, token_rounding=None):
+    model = LM(c, moe, rngs=nnx.Rngs(seed), token_rounding=token_rounding)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, c["steps"] // 10), c["steps"], 3e-4)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
                                                  optax.adamw(schedule, weight_decay=0.1)), wrt=nnx.Param)
@@ -196,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="override the number of steps")
     p.add_argument("--batch", type=int, default=0, help="override the batch size (sequences)")
     p.add_argument("--out", default=".", help="directory for train_moe_lm.png / .json")
+    p.add_argument("--token-rounding", default="", metavar="TILE[:MODE]",
+                   help="also train the MoE with TokenRounding(TILE, MODE) (nearest, up or down; default nearest)")
     args = p.parse_args(argv)
     c = dict(CONFIGS["tiny" if args.tiny else "gpu"])
     if args.steps:
@@ -206,10 +211,15 @@ def main(argv=None) -> int:
     passes = c["steps"] * c["batch"] * c["context"] / len(train_data)
     print(f"backend {jax.default_backend()}; corpus {len(train_data)} train / {len(val_data)} validation bytes; "
           f"{c['steps']} steps of {c['batch']} x {c['context']}: {passes:.2f} passes over the training bytes")
+    runs = [("moe", True, None), ("dense", False, None)]
+    if args.token_rounding:
+        tile, _, mode = args.token_rounding.partition(":")
+        c["token_rounding"] = args.token_rounding
+        runs.insert(1, ("moe_rounded", True, TokenRounding(int(tile), mode or "nearest")))
     results = {}
-    for name, moe in (("moe", True), ("dense", False)):
-        results[name] = r = train(c, moe, train_data, val_data)
-        print(f"{name:6} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
+    for name, moe, rounding in runs:
+        results[name] = r = train(c, moe, train_data, val_data, token_rounding=rounding)
+        print(f"{name:11} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
               f"  val {r['val_bpc']:.3f} bpc  {r['tokens_per_s']:,.0f} tokens/s"
               f"  ({r['seconds']:.1f} s, first step {r['compile_seconds']:.1f} s)", flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -9,7 +9,8 @@ from .grouped_gemm import ragged_dot
 from .layer import moe_mlp
 from .ops import PermuteResult, moe_permute, moe_unpermute
 from .routing import RouterAux, Routing, balance_bias, route, route_tokens
+from .token_rounding import TokenRounding
 
 __all__ = ["PermuteResult", "RouterAux", "Routing", "balance_bias", "moe_mlp", "moe_permute", "moe_unpermute",
-           "parallel", "ragged_dot", "reference", "route", "route_tokens"]
+           "parallel", "ragged_dot", "reference", "route", "route_tokens", "TokenRounding"]
 __version__ = "0.1.0"

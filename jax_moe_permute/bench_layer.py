@@ -42,6 +42,7 @@ from .bench_timing import (cell, copy_ceiling_tbps, device_us_or_none, none_if_o
 from .grouped_gemm import ragged_dot
 from . import ops as jmp_ops
 from .routing import route
+from .token_rounding import TokenRounding
 
 MODELS = {  # name: (E, K, H, F)
     "mixtral": (8, 2, 4096, 14336),
@@ -65,14 +66,19 @@ def layer_inputs(model: str, T: int, dtype=jnp.bfloat16, seed: int = 0) -> dict:
                 ct_dense=normal(k[5], (T * K, H), 1.0))
 
 
-def layer_fn(impl: str, K: int):
+def layer_route(x, router, K: int, token_rounding=None):
+    """The benchmark's routing: softmax top-K of x @ router, token-rounded when asked."""
+    return route(layer.router_logits(x, router), K, token_rounding=token_rounding)
+
+
+def layer_fn(impl: str, K: int, token_rounding=None):
     """f(x, router, w_in, w_out) -> [T, H] (dense: f(x_dense, w_in0, w_out0) -> [T*K, H])."""
     if impl == "dense":
         return lambda x, w_in, w_out: layer.apply_activation(x @ w_in, "swiglu") @ w_out
     mlp = layer.moe_mlp if impl == "ours" else layer.reference_moe_mlp
 
     def f(x, router, w_in, w_out):
-        r = route(layer.router_logits(x, router), K)
+        r = layer_route(x, router, K, token_rounding)
         return mlp(x, r.weights, r.ids, w_in, w_out)
 
     return f
@@ -88,21 +94,22 @@ def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float | N
 
 
 @none_if_out_of_memory
-def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int) -> dict | None:
+def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int,
+                token_rounding=None) -> dict | None:
     """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone."""
     E = w_in.shape[0]
     lib = jmp_ops if impl == "ours" else reference
     dot = ragged_dot if impl == "ours" else jax.lax.ragged_dot
     unpermute = lambda y, w, row_map: lib.moe_unpermute(y, row_map, w, out_dtype=x.dtype)
     stages = {
-        "route": lambda x, router: route(layer.router_logits(x, router), K).weights,
+        "route": lambda x, router: layer_route(x, router, K, token_rounding).weights,
         "permute": lambda x, ids: lib.moe_permute(x, ids, E)[0],
         "gemm_in": lambda rows, w_in, gs: dot(rows, w_in, gs),
         "activation": lambda h: layer.apply_activation(h, "swiglu"),
         "gemm_out": lambda a, w_out, gs: dot(a, w_out, gs),
         "unpermute": unpermute,
     }
-    r = jax.jit(lambda x, router: route(layer.router_logits(x, router), K))(x, router)
+    r = jax.jit(lambda x, router: layer_route(x, router, K, token_rounding))(x, router)
     rows, gs, row_map = jax.jit(lambda x, ids: tuple(lib.moe_permute(x, ids, E)))(x, r.ids)
     h = jax.jit(stages["gemm_in"])(rows, w_in, gs)
     a = jax.jit(stages["activation"])(h)
@@ -130,10 +137,10 @@ def non_gemm_share(split: dict | None) -> float | None:
     return 1 - (split["gemm_in"] + split["gemm_out"]) / sum(split.values())
 
 
-def routed_experts(x, router, K: int) -> int:
+def routed_experts(x, router, K: int, token_rounding=None) -> int:
     """How many distinct experts the layer's routing picks for x (the weights decode must read)."""
-    ids = jax.jit(lambda x, router: route(layer.router_logits(x, router), K).ids)(x, router)
-    return int(np.unique(np.asarray(ids)).size)
+    ids = np.asarray(jax.jit(lambda x, router: layer_route(x, router, K, token_rounding).ids)(x, router))
+    return int(np.unique(ids[ids >= 0]).size)
 
 
 def weight_bytes(op: str, routed: int, E: int, H: int, F: int, itemsize: int) -> int:
@@ -145,17 +152,17 @@ def weight_bytes(op: str, routed: int, E: int, H: int, F: int, itemsize: int) ->
 
 
 def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20, dtype=jnp.bfloat16,
-                split: bool = True, ref_split: bool = False, with_reference: bool = True):
+                split: bool = True, ref_split: bool = False, with_reference: bool = True, token_rounding=None):
     E, K, H, F = MODELS[model]
     inp = layer_inputs(model, T, dtype)
     moe_args = (inp["x"], inp["router"], inp["w_in"], inp["w_out"])
-    routed = routed_experts(inp["x"], inp["router"], K)
+    routed = routed_experts(inp["x"], inp["router"], K, token_rounding)
     flops_fwd = 6 * T * K * H * F
     rows = []
     for op in ops:
         bwd = op == "layer_bwd"
         flops = flops_fwd * (2 if bwd else 1)
-        times = {impl: timed(layer_fn(impl, K), moe_args, (), inp["ct"], bwd, iterations)
+        times = {impl: timed(layer_fn(impl, K, token_rounding), moe_args, (), inp["ct"], bwd, iterations)
                  for impl in ("ours", "reference") if impl == "ours" or with_reference}
         times.setdefault("reference", None)
         times["dense"] = timed(layer_fn("dense", K), (inp["x_dense"], inp["w_in"][0], inp["w_out"][0]), (),
@@ -168,12 +175,13 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
                    **{f"{k}TFLOPs": ratio(flops / 1e6, times[impl]) for k, impl in
                       (("", "ours"), ("ref_", "reference"), ("dense_", "dense"))},
                    routed_experts=routed, weight_bytes=nbytes, weight_bound_us=bound_us, copy_TBps=copy_tbps,
-                   ref_skipped=not with_reference)
+                   ref_skipped=not with_reference,
+                   token_rounding=None if token_rounding is None else token_rounding._asdict())
         if split:
-            row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations)
+            row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations, token_rounding)
             row["non_gemm_share"] = non_gemm_share(row["split_us"])
         if ref_split:
-            row["ref_split_us"] = stage_split("reference", *moe_args, K, bwd, iterations)
+            row["ref_split_us"] = stage_split("reference", *moe_args, K, bwd, iterations, token_rounding)
         rows.append(row)
     return rows
 
@@ -253,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--ref-split", action="store_true", help="split the reference by stage too (slow)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the pure-JAX layer (minutes a call at T = 16384)")
+    p.add_argument("--token-rounding", default="", metavar="TILE[:MODE]",
+                   help="route with TokenRounding(TILE, MODE) (MODE nearest, up or down; default nearest)")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args(argv)
@@ -266,6 +276,10 @@ def main(argv=None) -> int:
         tokens = tuple(int(t) for t in args.tokens.split(","))
     elif args.quick:
         tokens = (1, 64)
+    token_rounding = None
+    if args.token_rounding:
+        tile, _, mode = args.token_rounding.partition(":")
+        token_rounding = TokenRounding(int(tile), mode or "nearest")
     copy_tbps = copy_ceiling_tbps()
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); copy ceiling {copy_tbps:.3g} TB/s",
           flush=True)
@@ -274,7 +288,8 @@ def main(argv=None) -> int:
     jobs = [(m, t) for m in (args.model or default_models).split(",") for t in tokens]
     for model, T in progress(jobs):
         new = bench_shape(model, T, ops, copy_tbps, iterations=args.iterations, split=not args.no_split,
-                          ref_split=args.ref_split, with_reference=not args.no_reference)
+                          ref_split=args.ref_split, with_reference=not args.no_reference,
+                          token_rounding=token_rounding)
         rows += new
         save_rows(rows, args.json)
         for r in new:  # as measured, so a run cut short still shows its rows

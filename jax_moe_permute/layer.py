@@ -16,6 +16,7 @@ from . import decode_mlp, gather_gemm, ops, primitives
 from .grouped_gemm import ragged_dot
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
+from .token_rounding import check_token_rounding
 
 # name: (activation applied to the gate half, gated). Gated ones split w_in's output into
 # [gate | up] halves (HF's gate_proj / w1 first) and compute act(gate) * up.
@@ -245,7 +246,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
 
 
 def check_module_args(where, hidden_size, ffn_size, num_experts, top_k, activation, scoring, num_groups,
-                      topk_groups, num_shared_experts, mesh, expert_axis) -> None:
+                      topk_groups, num_shared_experts, mesh, expert_axis, token_rounding=None) -> None:
     """Construction-time checks shared by the NNX and Linen modules."""
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts),
                         ("top_k", top_k)):
@@ -255,6 +256,7 @@ def check_module_args(where, hidden_size, ffn_size, num_experts, top_k, activati
         raise ValueError(f"{where}: top_k ({top_k}) must be <= num_experts ({num_experts})")
     check_activation(activation, where)
     check_routing_args(num_experts, top_k, scoring, num_groups, topk_groups)
+    check_token_rounding(token_rounding, top_k, where)
     if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
         raise ValueError(f"{where}: num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
     if (mesh is None) != (expert_axis is None):

@@ -47,6 +47,7 @@ class MoE(nn.Module):
     num_groups: Optional[int] = None
     topk_groups: Optional[int] = None
     routed_scaling_factor: float = 1.0
+    token_rounding: Optional[routing.TokenRounding] = None
     num_shared_experts: int = 0
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -56,7 +57,7 @@ class MoE(nn.Module):
     def __post_init__(self):
         layer.check_module_args("MoE", self.hidden_size, self.ffn_size, self.num_experts, self.top_k, self.activation,
                                 self.scoring, self.num_groups, self.topk_groups, self.num_shared_experts, self.mesh,
-                                self.expert_axis)
+                                self.expert_axis, self.token_rounding)
         super().__post_init__()
 
     def _param(self, name, init, shape, names):
@@ -81,7 +82,8 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, H).astype(dtype)
         r = routing.route_tokens(x2, router, self.top_k, scoring=self.scoring,
                                  renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
-                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
+                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor,
+                                 token_rounding=self.token_rounding)
         for name, value in r.aux._asdict().items():
             self.sow("intermediates", name, value)
         w_in, w_out = w_in.astype(dtype), w_out.astype(dtype)

@@ -51,7 +51,9 @@ class MoE(nnx.Module):
     model). Only a call under nnx.capture sows: flax 0.12.6+ deprecates `Module.sow` outside
     it, so a plain `model(x)` stores nothing on the module and warns nothing.
     `dtype` is the computation dtype (default: x's and the params' promoted dtype);
-    `param_dtype` the parameters'. Router math is float32.
+    `param_dtype` the parameters'. Router math is float32. `token_rounding` (a
+    `jax_moe_permute.TokenRounding`, opt-in) rounds each expert's entries to whole GEMM tiles
+    (see `route`).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class MoE(nnx.Module):
         num_groups: Optional[int] = None,
         topk_groups: Optional[int] = None,
         routed_scaling_factor: float = 1.0,
+        token_rounding: Optional[routing.TokenRounding] = None,
         num_shared_experts: int = 0,
         dtype=None,
         param_dtype=jnp.float32,
@@ -75,11 +78,12 @@ class MoE(nnx.Module):
         expert_axis: Optional[str] = None,
     ):
         layer.check_module_args("MoE", hidden_size, ffn_size, num_experts, top_k, activation, scoring, num_groups,
-                          topk_groups, num_shared_experts, mesh, expert_axis)
+                          topk_groups, num_shared_experts, mesh, expert_axis, token_rounding)
         self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
         self.activation, self.scoring, self.renormalize = activation, scoring, renormalize
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.routed_scaling_factor = routed_scaling_factor
+        self.token_rounding = token_rounding
         self.num_shared_experts = num_shared_experts
         self.dtype, self.param_dtype = dtype, param_dtype
         self.mesh, self.expert_axis = mesh, expert_axis
@@ -114,7 +118,8 @@ class MoE(nnx.Module):
         bias = self.router_bias[...] if self.scoring == "sigmoid" else None
         r = routing.route_tokens(x2, self.router[...], self.top_k, scoring=self.scoring,
                                  renormalize=self.renormalize, bias=bias, num_groups=self.num_groups,
-                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor)
+                                 topk_groups=self.topk_groups, routed_scaling_factor=self.routed_scaling_factor,
+                                 token_rounding=self.token_rounding)
         for name, value in r.aux._asdict().items():
             _compat.nnx_sow(self, nnx.Intermediate, name, value)
         w_in, w_out = self.w_in[...].astype(dtype), self.w_out[...].astype(dtype)

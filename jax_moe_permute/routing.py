@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from . import reference, router_kernel
 from .ops import static_int
+from .token_rounding import TokenRounding, check_token_rounding, round_routing
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -102,6 +103,7 @@ def route(
     num_groups: Optional[int] = None,
     topk_groups: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    token_rounding: Optional[TokenRounding] = None,
 ) -> Routing:
     """Chooses each token's top_k experts from router logits and their gate weights.
 
@@ -117,14 +119,20 @@ def route(
         groups, a group scored by the sum of its two best biased scores; only the topk_groups
         best groups compete.
       routed_scaling_factor: the weights' final scale.
+      token_rounding: optional `TokenRounding` (opt-in, for training at large T): each expert's
+        entries rounded to a multiple of a GEMM tile by dropping its worst chosen tokens or
+        adding its best unchosen ones (token_rounding.py). Ids and weights then have K + X
+        columns (X extra slots; dropped and unused entries have id -1 and weight 0).
 
     Returns Routing(weights [T, K] float32, ids [T, K] int32, aux RouterAux).
     """
     _check_route_args(logits, top_k, scoring, bias, num_groups, topk_groups)
+    check_token_rounding(token_rounding, top_k)
     T, E = logits.shape
     fused = (E <= router_kernel.MAX_EXPERTS
              and (FUSED_ROUTE_MAX_TOKENS is None or T <= FUSED_ROUTE_MAX_TOKENS))
-    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, fused)
+    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, fused,
+                  token_rounding)
 
 
 def reference_route(
@@ -141,7 +149,8 @@ def reference_route(
     """`route` in plain jnp (softmax / sigmoid, top_k, gates as separate XLA ops): what the router
     kernel must reproduce, and the path for more experts than it holds."""
     _check_route_args(logits, top_k, scoring, bias, num_groups, topk_groups)
-    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, False)
+    return _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor, False,
+                  None)
 
 
 def route_tokens(
@@ -155,6 +164,7 @@ def route_tokens(
     num_groups: Optional[int] = None,
     topk_groups: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    token_rounding: Optional[TokenRounding] = None,
 ) -> Routing:
     """`route(router_logits(x, router), top_k, ...)`: the router's product and the choice.
 
@@ -181,37 +191,46 @@ def route_tokens(
                          f"{getattr(router, 'shape', type(router))} {getattr(router, 'dtype', '')}")
     E = router.shape[1]
     check_routing_args(E, top_k, scoring, num_groups, topk_groups)
+    check_token_rounding(token_rounding, top_k, "route_tokens")
     if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
         raise ValueError(f"route_tokens: bias must have shape [{E}] (the number of experts), "
                          f"got {getattr(bias, 'shape', type(bias))}")
     if not router_kernel.hidden_applies(x.shape, x.dtype, E):
         return route(router_kernel.router_logits(x, router), top_k, scoring=scoring, renormalize=renormalize,
                      bias=bias, num_groups=num_groups, topk_groups=topk_groups,
-                     routed_scaling_factor=routed_scaling_factor)
+                     routed_scaling_factor=routed_scaling_factor, token_rounding=token_rounding)
     logits, weights, ids = router_kernel.router_hidden(
         x, router, bias, top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
         topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor)
-    return Routing(weights, ids, _aux(logits, ids, scoring))
+    return _routing(logits, weights, ids, scoring, renormalize, routed_scaling_factor, token_rounding)
 
 
 def _route(logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, routed_scaling_factor,
-           fused: bool) -> Routing:
+           fused: bool, token_rounding) -> Routing:
     kw = dict(scoring=scoring, renormalize=renormalize, num_groups=num_groups, topk_groups=topk_groups,
               routed_scaling_factor=routed_scaling_factor)
     if fused:
         weights, ids = router_kernel.router(logits, bias, top_k, **kw)
     else:
         weights, ids = reference.route_topk(logits, top_k, bias=bias, **kw)
+    return _routing(logits, weights, ids, scoring, renormalize, routed_scaling_factor, token_rounding)
+
+
+def _routing(logits, weights, ids, scoring, renormalize, routed_scaling_factor, token_rounding) -> Routing:
+    """The Routing of a top-k choice, token-rounded when asked."""
+    if token_rounding is not None:
+        weights, ids = round_routing(logits, weights, ids, token_rounding, scoring=scoring, renormalize=renormalize,
+                                     routed_scaling_factor=routed_scaling_factor)
     return Routing(weights, ids, _aux(logits, ids, scoring))
 
 
 def _aux(logits, ids, scoring: str) -> RouterAux:
-    """The aux values, from the logits and ids: dead code unless a caller uses them."""
+    """The aux values, from the logits and ids (-1: no entry): dead code unless a caller uses them."""
     T, E = logits.shape
     logits = logits.astype(jnp.float32)
     scores = reference.router_scores(logits, scoring)
     probs = scores if scoring == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-    counts = jnp.zeros(E, jnp.int32).at[ids.reshape(-1)].add(1)
+    counts = jnp.zeros(E, jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(1, mode="drop")
     tokens = max(T, 1)  # T = 0: zero losses rather than 0/0
     fraction = jax.lax.stop_gradient(counts.astype(jnp.float32)) / tokens
     mean_prob = jnp.sum(probs, axis=0) / tokens
