@@ -86,31 +86,65 @@ ffi::Error RouterCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ff
   return cuda_error(cuda::router(a, stream), "router");
 }
 
-ffi::Error RouterHiddenCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
-                            int64_t top_k, int64_t scoring, int64_t renormalize, int64_t num_groups,
-                            int64_t topk_groups, int64_t has_bias, float scale, ffi::Result<ffi::AnyBuffer> logits,
-                            ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+// The router's product and the choice; with `layer` (a device scalar) weight is a stack
+// [L, H, E] and bias [L, E], that layer read on the device: no XLA slice of the stack (whose
+// dynamic offset XLA would copy to the host and wait for).
+ffi::Error router_hidden(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                         const I32Buffer* layer, int64_t top_k, int64_t scoring, int64_t renormalize,
+                         int64_t num_groups, int64_t topk_groups, int64_t has_bias, float scale,
+                         ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::Buffer<ffi::F32>> weights,
+                         ffi::Result<I32Buffer> ids) {
   RouterHiddenArgs a;
-  if (auto err = decode_router(*logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, has_bias, scale,
-                               *weights, *ids, &a.route);
+  // A stacked bias is checked below, not as route's [1 or T, E].
+  const int64_t routed_bias = layer == nullptr ? has_bias : 0;
+  if (auto err = decode_router(*logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, routed_bias,
+                               scale, *weights, *ids, &a.route);
       !err.success())
     return err;
   const auto dtype = float_dtype(x.element_type());
-  if (x.dimensions().size() != 2 || weight.dimensions().size() != 2 || logits->element_type() != ffi::F32)
-    return invalid("router_hidden expects x [T,H], weight [H,E] and float32 logits [T,E]");
+  const size_t lead = layer != nullptr ? 1 : 0;
+  auto wd = weight.dimensions();
+  if (x.dimensions().size() != 2 || wd.size() != 2 + lead || logits->element_type() != ffi::F32)
+    return invalid("router_hidden expects x [T,H], weight [(L,) H,E] and float32 logits [T,E]");
   const int64_t T = x.dimensions()[0], H = x.dimensions()[1], E = a.route.experts;
-  if (T != a.route.tokens || weight.dimensions()[0] != H || weight.dimensions()[1] != E)
-    return invalid("router_hidden: x, weight and logits are not [T,H], [H,E] and [T,E]");
+  if (T != a.route.tokens || wd[lead] != H || wd[lead + 1] != E)
+    return invalid("router_hidden: x, weight and logits are not [T,H], [(L,) H,E] and [T,E]");
   if (!dtype || (*dtype != Dtype::kBF16 && *dtype != Dtype::kF16) || weight.element_type() != x.element_type())
     return invalid("router_hidden: x and weight must both be bfloat16 or float16");
   if (!cuda::router_hidden_fits(T, H, E, num_groups))
     return invalid("router_hidden: the kernel does not take these sizes (E a multiple of 8 in [8, 256])");
+  if (layer != nullptr) {
+    if (layer->element_count() != 1 || wd[0] < 1) return invalid("router_hidden: layer must be one int32");
+    if (has_bias) {
+      auto bd = bias.dimensions();
+      if (bd.size() != 2 || bd[0] != wd[0] || bd[1] != E) return invalid("router_hidden: a stacked bias is not [L, E]");
+      a.route.bias = bias.typed_data(), a.route.bias_rstride = 0;
+    }
+    a.layer = layer->typed_data(), a.layers = wd[0];
+  }
   a.x = x.untyped_data();
   a.weight = weight.untyped_data();
   a.dtype = *dtype;
   a.hidden = H;
   a.logits = static_cast<float*>(logits->untyped_data());
   return cuda_error(cuda::router_hidden(a, stream), "router_hidden");
+}
+
+ffi::Error RouterHiddenCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                            int64_t top_k, int64_t scoring, int64_t renormalize, int64_t num_groups,
+                            int64_t topk_groups, int64_t has_bias, float scale, ffi::Result<ffi::AnyBuffer> logits,
+                            ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+  return router_hidden(stream, x, weight, bias, nullptr, top_k, scoring, renormalize, num_groups, topk_groups,
+                       has_bias, scale, logits, weights, ids);
+}
+
+ffi::Error RouterHiddenStackedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                                   ffi::Buffer<ffi::F32> bias, I32Buffer layer, int64_t top_k, int64_t scoring,
+                                   int64_t renormalize, int64_t num_groups, int64_t topk_groups, int64_t has_bias,
+                                   float scale, ffi::Result<ffi::AnyBuffer> logits,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<I32Buffer> ids) {
+  return router_hidden(stream, x, weight, bias, &layer, top_k, scoring, renormalize, num_groups, topk_groups,
+                       has_bias, scale, logits, weights, ids);
 }
 
 }  // namespace
@@ -130,20 +164,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteBwdCuda, moe::UnpermuteBwdCuda, MOE_CU
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterCuda, moe::RouterCuda, MOE_CUDA_BINDING(moe::bind_router),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+// The router's attributes and results, shared by the one-router and the stacked handler.
+#define MOE_ROUTER_HIDDEN_TAIL(bind)                          \
+  bind.Attr<int64_t>("top_k")                                 \
+      .Attr<int64_t>("scoring")                               \
+      .Attr<int64_t>("renormalize")                           \
+      .Attr<int64_t>("num_groups")                            \
+      .Attr<int64_t>("topk_groups")                           \
+      .Attr<int64_t>("has_bias")                              \
+      .Attr<float>("scale")                                   \
+      .Ret<xla::ffi::AnyBuffer>()              /* logits */   \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  /* weights */  \
+      .Ret<moe::I32Buffer>()                   /* ids */
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterHiddenCuda, moe::RouterHiddenCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<moe::Stream>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // weight
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("scoring")
-                                  .Attr<int64_t>("renormalize")
-                                  .Attr<int64_t>("num_groups")
-                                  .Attr<int64_t>("topk_groups")
-                                  .Attr<int64_t>("has_bias")
-                                  .Attr<float>("scale")
-                                  .Ret<xla::ffi::AnyBuffer>()  // logits
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
-                                  .Ret<moe::I32Buffer>(),  // ids
+                              MOE_ROUTER_HIDDEN_TAIL(xla::ffi::Ffi::Bind()
+                                                         .Ctx<moe::Stream>()
+                                                         .Arg<xla::ffi::AnyBuffer>()               // x
+                                                         .Arg<xla::ffi::AnyBuffer>()               // weight
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // bias
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterHiddenStackedCuda, moe::RouterHiddenStackedCuda,
+                              MOE_ROUTER_HIDDEN_TAIL(xla::ffi::Ffi::Bind()
+                                                         .Ctx<moe::Stream>()
+                                                         .Arg<xla::ffi::AnyBuffer>()               // x
+                                                         .Arg<xla::ffi::AnyBuffer>()               // weight [L, H, E]
+                                                         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // bias [L, E]
+                                                         .Arg<moe::I32Buffer>()),                  // layer
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -17,4 +17,5 @@ XLA_FFI_Error* MoeWeightGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeUnpermuteBwdCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRouterCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRouterHiddenCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeRouterHiddenStackedCuda(XLA_FFI_CallFrame* call_frame);
 }

@@ -35,11 +35,13 @@ NB_MODULE(_cuda, m) {
     d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);
     d["router"] = moe::capsule(MoeRouterCuda);
     d["router_hidden"] = moe::capsule(MoeRouterHiddenCuda);
+    d["router_hidden_stacked"] = moe::capsule(MoeRouterHiddenStackedCuda);
 #ifdef MOE_HAS_GROUPED_GEMM  // grouped GEMM (ragged_dot)
     d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
     d["ragged_dot_decode"] = moe::capsule(MoeRaggedDotDecodeCuda);
     d["moe_mlp_decode"] = moe::capsule(MoeMlpDecodeCuda);
+    d["moe_mlp_decode_stacked"] = moe::capsule(MoeMlpDecodeStackedCuda);
     d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);
 #endif
     return d;

@@ -255,8 +255,10 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
   using gemm::decode::kVec;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
-  const RouterArgs& r = a.route;
-  const int64_t H = a.hidden, E = r.experts;
+  const int64_t H = a.hidden, E = a.route.experts;
+  const int64_t layer = a.layer == nullptr ? 0 : std::min<int64_t>(std::max<int64_t>(*a.layer, 0), a.layers - 1);
+  RouterArgs r = a.route;
+  if (r.bias != nullptr) r.bias += layer * E;  // a stacked bias (one router: layer 0)
   const int64_t t0 = int64_t{blockIdx.y} * kTokens;
   const int tokens = int(std::min<int64_t>(kTokens, r.tokens - t0));
   const int cols = int(E / kVec), rows_per_pass = kHiddenThreads / cols;
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
   float* staging = red + plan.red_floats;                // route_token's grouped-choice rows
   X* xs = reinterpret_cast<X*>(staging + plan.staging_floats);  // [kTokens, span]: the block's slice of x
 
-  const X* w = static_cast<const X*>(a.weight) + col * kVec;
+  const X* w = static_cast<const X*>(a.weight) + layer * H * E + col * kVec;
   const int64_t step = int64_t{kHiddenBatch} * rows_per_pass;
   auto load = [&](int64_t h, uint4 (&wv)[kHiddenBatch]) {
 #pragma unroll

@@ -9,7 +9,11 @@ w_in [L, E, H, 2F], w_out [L, E, F, H], bf16; DeepSeek-V3 also a selection bias 
 layer `x = x + moe_mlp(x, r.weights, r.ids, w_in, w_out)` with `r = route_tokens(x, router, K,
 ...)` (`route(router_logits(x, router), K, ...)`, one launch at decode sizes on sm_90) and the
 model's routing (MODELS). The pure-JAX stack is the same scan with
-`layer.reference_moe_mlp` (argsort + take, jax.lax.ragged_dot, gather + weighted sum).
+`layer.reference_moe_mlp` (argsort + take, jax.lax.ragged_dot, gather + weighted sum). The
+"stacked" row is ours written the other way: a scan over the layer index that passes the stacks
+whole (`route_tokens(..., layer=i)`, `moe_mlp(..., layer=i)`), so that the decode kernels read
+the layer on the device instead of receiving XLA's dynamic slice of the stack (whose offset XLA
+copies to the host and waits for, per custom call and layer).
 
 wall_us: median wall clock of a step (each `block_until_ready`) over --steps steps after
 --warmup, cycling through N_INPUTS different x. On GPU a jax.profiler trace of a few steps
@@ -56,7 +60,8 @@ from .bench_timing import (cell, copy_ceiling_tbps, device_us, jitted_copy_tbps,
 from .routing import route_tokens
 
 OPS = ("decode",)
-IMPLS = ("ours", "pure_jax")
+IMPLS = ("ours", "stacked", "pure_jax")
+OURS = ("ours", "stacked")  # the scan slicing the stacks / passing them whole with the layer index
 TOKENS = (1, 8, 64)
 QUICK_TOKENS = (1, 64)
 N_INPUTS = 4  # different x the timed steps cycle through
@@ -160,7 +165,18 @@ def moe_block(impl: str, model: DecodeModel):
 
 def decode_step(impl: str, model: DecodeModel, unroll: int = 1):
     """step(x [T, H], stacked params) -> x after every layer: one scan over the layers
-    (`unroll` layers per loop iteration; the layer count: no loop)."""
+    (`unroll` layers per loop iteration; the layer count: no loop). "ours" and "pure_jax" scan
+    over the stacks (XLA slices a layer's weights out of them); "stacked" scans over the layer
+    index and passes the stacks whole (route_tokens(..., layer=i), moe_mlp(..., layer=i))."""
+    if impl == "stacked":
+        def body(x, i, params):
+            r = route_tokens(x, params["router"], model.top_k, bias=params.get("bias"), layer=i, **model.routing)
+            return x + layer.moe_mlp(x, r.weights, r.ids, params["w_in"], params["w_out"], layer=i), None
+
+        def step(x, params):
+            layers = jnp.arange(params["router"].shape[0], dtype=jnp.int32)
+            return jax.lax.scan(lambda x, i: body(x, i, params), x, layers, unroll=unroll)[0]
+        return step
     block = moe_block(impl, model)
     return lambda x, params: jax.lax.scan(lambda x, p: (block(x, p)[0], None), x, params, unroll=unroll)[0]
 
@@ -341,7 +357,7 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
     bound_us, jit_bound_us = nbytes / copy_tbps / 1e6, nbytes / jit_tbps / 1e6
     times = {}
     for impl in IMPLS:
-        if impl == "ours" or with_reference:
+        if impl in OURS or with_reference:
             times[impl] = measure(impl, model, params, xs, steps, warmup, iterations, unroll)
     rows = []
     for impl in IMPLS:
@@ -349,7 +365,7 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
         status = "ok" if got else ("OOM" if impl in times else "skipped")
         got = got or {}
         wall, dev = got.get("wall_us"), got.get("device_us")
-        mine, theirs = times.get("ours") or {}, times.get("pure_jax") or {}
+        mine, theirs = times.get(impl) or {}, times.get("pure_jax") or {}
         rows.append(dict(
             model=name, T=T, impl=impl, status=status, layers=L, unroll=unroll, E=model.experts, K=model.top_k,
             H=model.hidden,
@@ -358,8 +374,8 @@ def bench_point(name: str, params: dict, T: int, copy_tbps: float, jit_tbps: flo
             bound_us=bound_us, jit_bound_us=jit_bound_us, wall_over_bound=ratio(wall, bound_us),
             device_over_bound=ratio(dev, bound_us), wall_over_jit_bound=ratio(wall, jit_bound_us),
             device_over_jit_bound=ratio(dev, jit_bound_us),
-            speedup_wall=ratio(theirs.get("wall_us"), mine.get("wall_us")) if impl == "ours" else None,
-            speedup_device=ratio(theirs.get("device_us"), mine.get("device_us")) if impl == "ours" else None,
+            speedup_wall=ratio(theirs.get("wall_us"), mine.get("wall_us")) if impl in OURS else None,
+            speedup_device=ratio(theirs.get("device_us"), mine.get("device_us")) if impl in OURS else None,
             **{k: got.get(k) for k in ("temp_bytes", "output_bytes", "alias_bytes", "argument_bytes", "code_bytes",
                                        "extra_bytes", "custom_calls", "command_buffers", "loop_in_command_buffer",
                                        "body_thunks", "body_command_buffer_calls", "device_span_us", "kernels",
@@ -402,7 +418,8 @@ def plot(rows, path: str) -> None:
     for col, model in enumerate(models):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["T"])
         ax = axes[0][col]
-        for impl, style in (("ours", dict(marker="o")), ("pure_jax", dict(marker="x", ls="--"))):
+        for impl, style in (("ours", dict(marker="o")), ("stacked", dict(marker="s")),
+                            ("pure_jax", dict(marker="x", ls="--"))):
             for key, label, extra in (("wall_us", "wall", {}), ("device_us", "device", dict(alpha=0.6))):
                 pts = [(r["T"], r[key] / 1e3) for r in mine if r["impl"] == impl and r[key] is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{impl} {label}", **style, **extra)
@@ -416,7 +433,7 @@ def plot(rows, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         ax = axes[1][col]
-        for impl, marker in (("ours", "o"), ("pure_jax", "x")):
+        for impl, marker in (("ours", "o"), ("stacked", "s"), ("pure_jax", "x")):
             for key, label, ls in (("wall_over_bound", "wall", "-"), ("device_over_bound", "device", ":")):
                 pts = [(r["T"], r[key]) for r in mine if r["impl"] == impl and r[key] is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ls=ls, label=f"{impl} {label}")

@@ -2,6 +2,8 @@
 
   moe_mlp_decode  (x [T, H], weights [T, K] float32, ids [T, K] int32, w_in [L, H, C], w_out [L, F, H'])
                   -> out [T, H'] = sum_k weights[t, k] * MLP_{ids[t, k]}(x[t])
+  moe_mlp_decode (stacked)  (..., w_in [NL, L, H, C], w_out [NL, L, F, H'], layer [] int32)
+                  -> the same with w_in[layer], w_out[layer]
 
 On sm_90 it lowers to the fused decode kernels (cpp/gemm/moe_mlp_decode.cu: two launches in place of
 permute, two grouped GEMMs with their partial sums, the activation and the weighted unpermute),
@@ -9,6 +11,11 @@ elsewhere to that unfused composition. `layer.moe_mlp` binds it for decode-sized
 rule of the forward GEMM's decode kernel, `gemm_primitives.DECODE_ROWS_PER_GROUP`), and only as
 the primal of its JVP rule: derivatives go through the unfused path. Ids outside [0, L)
 contribute nothing (expert_map is applied before the bind).
+
+The stacked form takes a model's weights stacked over its layers and the layer as a device
+scalar, which the kernels read on the device: in a `lax.scan` over layers XLA would otherwise pass
+the custom call a dynamic slice of the stack, whose offset it copies to the host and waits for at
+every layer (its DynamicSliceThunk), leaving a decode step host-bound.
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _kernel_fits(x, ids, w_in, w_out) -> bool:
-    """Our CUDA module on an sm_90 GPU, bf16/f16 throughout, 16-byte rows, a grid of pairs."""
+    """Our CUDA module on an sm_90 GPU, bf16/f16 throughout, 16-byte rows, a grid of pairs (w_in
+    and w_out one layer's or stacked)."""
     if not (_native.has_target("cuda", "moe_mlp_decode") and gemm_primitives.kernels_available()):
         return False
-    (T, H), K, C, H_out = x.shape, ids.shape[1], w_in.shape[2], w_out.shape[2]
+    (T, H), K, C, H_out = x.shape, ids.shape[1], w_in.shape[-1], w_out.shape[-1]
     dtypes_ok = jnp.dtype(x.dtype) in _KERNEL_DTYPES and w_in.dtype == x.dtype and w_out.dtype == x.dtype
     pairs_ok = 0 < T * K <= gemm_primitives.MAX_GRID_Y  # the kernels' gridDim.y
     return dtypes_ok and pairs_ok and H % 8 == 0 and C % 8 == 0 and H_out % 8 == 0
@@ -44,51 +52,61 @@ def _kernel_fits(x, ids, w_in, w_out) -> bool:
 def kernel_applies(x, ids, w_in, w_out) -> bool:
     """Whether a moe_mlp call of these static shapes and dtypes takes the fused decode kernels:
     they fit, and the groups are decode-sized."""
-    T, K, L = x.shape[0], ids.shape[1], w_in.shape[0]
+    T, K, L = x.shape[0], ids.shape[1], w_in.shape[-3]
     return _kernel_fits(x, ids, w_in, w_out) and gemm_primitives.use_decode_kernel(1, T * K, L)
 
 
-def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str):
-    """Binds the primitive (arguments checked by `layer.moe_mlp`)."""
-    args = _compat.pvary_to_match(x, weights.astype(jnp.float32), ids.astype(jnp.int32), w_in, w_out)
-    return moe_mlp_decode_p.bind(*args, activation=activation)
+def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None):
+    """Binds the primitive (arguments checked by `layer.moe_mlp`); with `layer`, w_in and w_out
+    are stacks over the model's layers."""
+    args = [x, weights.astype(jnp.float32), ids.astype(jnp.int32), w_in, w_out]
+    if layer is not None:
+        args.append(jnp.asarray(layer, jnp.int32).reshape(()))
+    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation, stacked=layer is not None)
 
 
-def _unfused(x, weights, ids, w_in, w_out, *, activation):
-    from . import layer  # layer binds this primitive: import it when first lowered, not at load
-
-    return layer.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
-
-
-def _abstract(x, weights, ids, w_in, w_out, *, activation):
-    return _compat.shaped_like((x, weights, ids, w_in, w_out), (x.shape[0], w_out.shape[2]), x.dtype)
+def layer_weights(w, layer):
+    """w[layer] of a stack over layers (clamped as dynamic_slice clamps); w itself without a layer."""
+    return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
 
 
-def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *, activation):
-    x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in
+def _unfused(x, weights, ids, w_in, w_out, layer=None, *, activation, stacked):
+    from . import layer as layer_module  # it binds this primitive: import it when first lowered
+
+    w_in, w_out = layer_weights(w_in, layer), layer_weights(w_out, layer)
+    return layer_module.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
+
+
+def _abstract(x, weights, ids, w_in, w_out, *layer, activation, stacked):
+    # Like the token operands (the bind made every operand vary along the same manual axes).
+    return _compat.shaped_like((x, weights, ids), (x.shape[0], w_out.shape[-1]), x.dtype)
+
+
+def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *layer, activation, stacked):
+    x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in[:5]
     if not _kernel_fits(x_aval, ids_aval, w_in_aval, w_out_aval):  # e.g. float32, called directly
-        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, activation=activation)
-    (T, H), K, (L, _, C), (_, F, H_out) = x_aval.shape, ids_aval.shape[1], w_in_aval.shape, w_out_aval.shape
+        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, *layer, activation=activation, stacked=stacked)
+    (T, H), K, (L, _, C), (F, H_out) = x_aval.shape, ids_aval.shape[1], w_in_aval.shape[-3:], w_out_aval.shape[-2:]
     code = ACTIVATION_CODES[activation]
     nbytes = _native.workspace_bytes("cuda", "moe_mlp_decode", T, K, L, H, F, C, H_out, code)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
-    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode"))
-    return call(ctx, x, weights, ids, w_in, w_out, activation=np.int64(code))[:-1]
+    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode_stacked" if stacked else "moe_mlp_decode"))
+    return call(ctx, x, weights, ids, w_in, w_out, *layer, activation=np.int64(code))[:-1]
 
 
-def _batch(args, dims, *, activation):
+def _batch(args, dims, *, activation, stacked):
     """A vmapped call runs the unfused composition (whose ops batch into single launches)."""
-    return jax.vmap(functools.partial(_unfused, activation=activation), in_axes=dims)(*args), 0
+    return jax.vmap(functools.partial(_unfused, activation=activation, stacked=stacked), in_axes=dims)(*args), 0
 
 
-def _jvp(primals, tangents, *, activation):
+def _jvp(primals, tangents, *, activation, stacked):
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(functools.partial(_unfused, activation=activation), tuple(primals), tangents)
+    return jax.jvp(functools.partial(_unfused, activation=activation, stacked=stacked), tuple(primals), tangents)
 
 
 _lower_unfused = mlir.lower_fun(_unfused, multiple_results=False)
 
-moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation",)))
+moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation", "stacked")))
 moe_mlp_decode_p.def_abstract_eval(_abstract)
 mlir.register_lowering(moe_mlp_decode_p, _lower_unfused)
 batching.primitive_batchers[moe_mlp_decode_p] = _batch

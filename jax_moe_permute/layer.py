@@ -80,6 +80,7 @@ def moe_mlp(
     activation: str = "swiglu",
     expert_map: Optional[jax.Array] = None,
     num_local_experts: Optional[int] = None,
+    layer=None,
 ) -> jax.Array:
     """The routed experts' weighted sum: out[t] = sum_k weights[t,k] * MLP_{ids[t,k]}(x[t]).
 
@@ -92,13 +93,27 @@ def moe_mlp(
       activation: "swiglu" (silu(gate) * up), "geglu" (gelu(gate) * up), "gelu", "relu".
       expert_map: optional [E] int array mapping a global expert to its row of w_in/w_out in
         [0, L) or -1 (not here), for expert parallelism; num_local_experts = L is then required.
+      layer: optional int32 scalar (e.g. a `lax.scan`'s layer counter, traced): w_in and w_out
+        are then stacks [NL, L, ., .] over a model's layers and the call uses w_in[layer],
+        w_out[layer] (clamped as `dynamic_slice` clamps). In a decode step the fused decode
+        kernels read that layer on the device, where a slice of the stack made in the scan would
+        cost XLA a host round trip per layer (docs/layer.md, "Stacked layers").
 
     Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
     """
     if not hasattr(x, "shape") or x.ndim != 2:
         raise ValueError(f"moe_mlp: x must have shape [T, H], got {getattr(x, 'shape', type(x))}")
-    check_expert_weights(w_in, w_out, x.shape[1], activation)
-    L = w_in.shape[0]
+    if layer is not None:
+        for name, w in (("w_in", w_in), ("w_out", w_out)):
+            if not hasattr(w, "shape") or w.ndim != 4:
+                raise ValueError(f"moe_mlp: with layer, {name} must be a 4-D stack [NL, E, ., .] over the "
+                                 f"layers, got {getattr(w, 'shape', type(w))}")
+        layer = ops.check_layer(layer, (("w_in", w_in), ("w_out", w_out)), "moe_mlp")
+        check_expert_weights(*(jax.ShapeDtypeStruct(w.shape[1:], w.dtype) for w in (w_in, w_out)), x.shape[1],
+                             activation)
+    else:
+        check_expert_weights(w_in, w_out, x.shape[1], activation)
+    L = w_in.shape[-3]
     if expert_map is None:
         num_experts = L
         if num_local_experts is not None and num_local_experts != L:
@@ -114,7 +129,7 @@ def moe_mlp(
                              f"got {getattr(a, 'shape', type(a))}")
     if weights.shape != ids.shape:
         raise ValueError(f"moe_mlp: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must have equal shapes")
-    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map,
+    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer,
                            activation, num_experts, num_local_experts)
 
 
@@ -133,11 +148,12 @@ def moe_mlp(
 # same kernels.
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
-def _routed_experts(x, weights, ids, w_in, w_out, expert_map, activation, num_experts, num_local_experts):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
+def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation, num_experts, num_local_experts):
     if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
         local = ids if expert_map is None else _local_ids(ids, expert_map)
-        return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation)
+        return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer)
+    w_in, w_out = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
     if _gathers(x, ids, w_in, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation)
@@ -196,8 +212,11 @@ def _live(t):
 
 @functools.partial(_routed_experts.defjvp, symbolic_zeros=True)
 def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tangents):
-    x, weights, ids, w_in, w_out, expert_map = primals
-    dx, dweights, _, dw_in, dw_out, _ = (t if _live(t) else None for t in tangents)
+    x, weights, ids, w_in, w_out, expert_map, layer = primals
+    dx, dweights, _, dw_in, dw_out, _, _ = (t if _live(t) else None for t in tangents)
+    w_in, w_out = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
+    dw_in = None if dw_in is None else decode_mlp.layer_weights(dw_in, layer)
+    dw_out = None if dw_out is None else decode_mlp.layer_weights(dw_out, layer)
     if _gathers(x, ids, w_in, activation):  # the rows gathered and the activation applied in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)

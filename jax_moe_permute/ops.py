@@ -49,6 +49,25 @@ def static_int(value, name: str, op: str, minimum: int = 1) -> int:
     return value
 
 
+def check_layer(layer, stacks, where: str):
+    """An int32 scalar layer index, and stacks (name, array) with one leading layer dimension of
+    equal size; clear errors naming the argument otherwise."""
+    if not hasattr(layer, "dtype"):
+        layer = jnp.asarray(layer)
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise TypeError(f"{where}: layer must be an integer scalar, got {jnp.shape(layer)} {layer.dtype}")
+    sizes = set()
+    for name, w in stacks:
+        if not hasattr(w, "shape") or w.ndim < 2:
+            raise ValueError(f"{where}: with layer, {name} must be stacked over the layers ([NL, ...]), "
+                             f"got {getattr(w, 'shape', type(w))}")
+        sizes.add(w.shape[0])
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(f"{where}: with layer, " + " and ".join(n for n, _ in stacks) +
+                         f" must stack the same number (>= 1) of layers, got {[tuple(w.shape) for _, w in stacks]}")
+    return layer.astype(jnp.int32)
+
+
 def moe_permute(
     hidden: jax.Array,
     topk_ids: jax.Array,

@@ -206,17 +206,22 @@ def hidden_applies(x_shape, x_dtype, num_experts: int) -> bool:
 
 
 def router_hidden(x, router, bias, top_k: int, *, scoring: str, renormalize: bool, num_groups, topk_groups,
-                  routed_scaling_factor: float):
+                  routed_scaling_factor: float, layer=None):
     """(logits [T, E] float32, weights [T, K] float32, ids [T, K] int32) of x [T, H] and
-    router [H, E] (cast to x's dtype), bias None or [E]; arguments checked by route_tokens."""
-    E = router.shape[1]
+    router [H, E] (cast to x's dtype), bias None or [E]; arguments checked by route_tokens. With
+    `layer` (an int32 scalar) router [NL, H, E] and bias [NL, E] are stacks over the layers."""
+    E = router.shape[-1]
     has_bias = bias is not None
+    params = dict(top_k=int(top_k), scoring=scoring, renormalize=bool(renormalize), num_groups=int(num_groups or 0),
+                  topk_groups=int(topk_groups or 0), scale=float(routed_scaling_factor), has_bias=has_bias)
+    if layer is not None:
+        bias = (jax.lax.stop_gradient(bias).astype(jnp.float32) if has_bias
+                else jnp.zeros((1, 1), jnp.float32))
+        layer = jnp.asarray(layer, jnp.int32).reshape(())
+        return router_hidden_stacked_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias, layer), **params)
     bias = (jax.lax.stop_gradient(bias).astype(jnp.float32).reshape(1, E) if has_bias
             else jnp.zeros((1, 1), jnp.float32))
-    return router_hidden_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias), top_k=int(top_k),
-                                scoring=scoring, renormalize=bool(renormalize), num_groups=int(num_groups or 0),
-                                topk_groups=int(topk_groups or 0), scale=float(routed_scaling_factor),
-                                has_bias=has_bias)
+    return router_hidden_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias), **params)
 
 
 def _hidden_abstract(x, router, bias, **params):
@@ -272,10 +277,14 @@ def _hidden_batch(args, dims, **params):
 
 
 def _hidden_jvp(primals, tangents, **params):
-    """The product's tangent, then the gates' at the logits with the ids held fixed."""
     x, router, bias = primals
-    logits, weights, ids = router_hidden_p.bind(x, router, bias, **params)
-    d_x, d_router, _ = tangents
+    outs = router_hidden_p.bind(x, router, bias, **params)
+    return outs, _hidden_tangents(x, router, outs, *tangents[:2], **params)
+
+
+def _hidden_tangents(x, router, outs, d_x, d_router, **params):
+    """The product's tangent, then the gates' at the logits with the ids held fixed."""
+    logits, weights, ids = outs
     parts = []
     if type(d_x) is not ad.Zero:
         parts.append(router_logits(d_x, router))
@@ -284,12 +293,12 @@ def _hidden_jvp(primals, tangents, **params):
     ids_tangent = ad.Zero(core.ShapedArray(ids.shape, jax.dtypes.float0))
     if not parts:
         zero = lambda a: ad.Zero(core.ShapedArray(a.shape, a.dtype))
-        return [logits, weights, ids], [zero(logits), zero(weights), ids_tangent]
+        return [zero(logits), zero(weights), ids_tangent]
     d_logits = parts[0] if len(parts) == 1 else parts[0] + parts[1]
     gates = lambda z: reference.route_weights(z, ids, scoring=params["scoring"], renormalize=params["renormalize"],
                                               routed_scaling_factor=params["scale"])
     _, d_weights = jax.jvp(gates, (logits,), (d_logits,))
-    return [logits, weights, ids], [d_logits, d_weights, ids_tangent]
+    return [d_logits, d_weights, ids_tangent]
 
 
 _lower_hidden_composition = mlir.lower_fun(_hidden_composition, multiple_results=True)
@@ -301,3 +310,75 @@ if _native.has_target("cuda", "router_hidden"):
 batching.primitive_batchers[router_hidden_p] = _hidden_batch
 ad.primitive_jvps[router_hidden_p] = _hidden_jvp
 require_devices_at_lowering(router_hidden_p)  # its composition holds moe_router
+
+
+# ---- moe_router_hidden_stacked: the same on routers stacked over a model's layers -------------
+# (x [T, H], router [NL, H, E], bias [NL, E] or a placeholder, layer [] int32): the kernel reads
+# the layer on the device, so a `lax.scan` over layers passes it the whole stack instead of a
+# dynamic slice, whose offset XLA copies to the host and waits for at every layer.
+
+router_hidden_stacked_p = Primitive("moe_router_hidden_stacked")
+router_hidden_stacked_p.multiple_results = True
+router_hidden_stacked_p.def_impl(jax.jit(router_hidden_stacked_p.bind, static_argnames=_PARAMS))
+
+
+def _layer_router(router, bias, layer, has_bias):
+    """The layer's router [H, E] and its bias as moe_router_hidden takes it ([1, E] or the placeholder)."""
+    router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
+    bias = jax.lax.dynamic_slice_in_dim(bias, layer, 1, 0) if has_bias else bias
+    return router, bias
+
+
+def _stacked_abstract(x, router, bias, layer, **params):
+    (T, H), (NL, H_router, E) = x.shape, router.shape
+    if H_router != H:
+        raise ValueError(f"moe_router_hidden_stacked: router must have shape [NL, {H}, E], got {tuple(router.shape)}")
+    if params["has_bias"] and tuple(bias.shape) != (NL, E):
+        raise ValueError(f"moe_router_hidden_stacked: bias must have shape [{NL}, {E}], got {tuple(bias.shape)}")
+    avals, K = (x,), params["top_k"]  # like the tokens (the bind made the operands vary alike)
+    return [shaped_like(avals, (T, E), jnp.float32), shaped_like(avals, (T, K), jnp.float32),
+            shaped_like(avals, (T, K), jnp.int32)]
+
+
+def _stacked_composition(x, router, bias, layer, **params):
+    return _hidden_composition(x, *_layer_router(router, bias, layer, params["has_bias"]), **params)
+
+
+def _stacked_cuda_rule(ctx, x, router, bias, layer, **params):
+    x_aval, router_aval = ctx.avals_in[:2]
+    layer_aval = core.ShapedArray(router_aval.shape[1:], router_aval.dtype)
+    if lowers_for_many_devices(ctx) or not _hidden_kernel_fits(x_aval, layer_aval, params["num_groups"]):
+        return _lower_stacked_composition(ctx, x, router, bias, layer, **params)
+    return jax.ffi.ffi_lowering(_native.target("router_hidden_stacked"))(
+        ctx, x, router, bias, layer, top_k=np.int64(params["top_k"]),
+        scoring=np.int64(_SCORING_CODES[params["scoring"]]), renormalize=np.int64(params["renormalize"]),
+        num_groups=np.int64(params["num_groups"]), topk_groups=np.int64(params["topk_groups"]),
+        has_bias=np.int64(params["has_bias"]), scale=np.float32(params["scale"]))
+
+
+def _stacked_batch(args, dims, **params):
+    return jax.vmap(lambda *a: _stacked_composition(*a, **params), in_axes=dims)(*args), [0, 0, 0]
+
+
+def _stacked_jvp(primals, tangents, **params):
+    """moe_router_hidden's rule on the layer's router (the stacked kernel for the primal)."""
+    x, router, bias, layer = primals
+    d_x, d_router = tangents[:2]
+    if type(d_router) is not ad.Zero:
+        d_router = jax.lax.dynamic_index_in_dim(d_router, layer, 0, keepdims=False)
+    else:
+        d_router = ad.Zero(core.ShapedArray(router.shape[1:], router.dtype))
+    outs = router_hidden_stacked_p.bind(x, router, bias, layer, **params)
+    layer_router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
+    return outs, _hidden_tangents(x, layer_router, outs, d_x, d_router, **params)
+
+
+_lower_stacked_composition = mlir.lower_fun(_stacked_composition, multiple_results=True)
+
+router_hidden_stacked_p.def_abstract_eval(_stacked_abstract)
+mlir.register_lowering(router_hidden_stacked_p, _lower_stacked_composition)
+if _native.has_target("cuda", "router_hidden_stacked"):
+    mlir.register_lowering(router_hidden_stacked_p, _stacked_cuda_rule, platform="cuda")
+batching.primitive_batchers[router_hidden_stacked_p] = _stacked_batch
+ad.primitive_jvps[router_hidden_stacked_p] = _stacked_jvp
+require_devices_at_lowering(router_hidden_stacked_p)  # its composition holds moe_router

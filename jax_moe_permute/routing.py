@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference, router_kernel
-from .ops import static_int
+from .ops import check_layer, static_int
 from .token_rounding import TokenRounding, check_token_rounding, round_routing
 
 SCORINGS = ("softmax", "sigmoid")
@@ -165,6 +165,7 @@ def route_tokens(
     topk_groups: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
     token_rounding: Optional[TokenRounding] = None,
+    layer=None,
 ) -> Routing:
     """`route(router_logits(x, router), top_k, ...)`: the router's product and the choice.
 
@@ -179,29 +180,39 @@ def route_tokens(
       x: [T, H] tokens, float.
       router: [H, E] router weight (used in x's dtype, as router_logits does).
       top_k and the keyword arguments: as `route`.
+      layer: optional int32 scalar (e.g. a `lax.scan`'s layer counter): router [NL, H, E] and
+        bias [NL, E] are then stacks over a model's layers and the call uses router[layer],
+        bias[layer]; the one-launch kernel reads that layer on the device (see `moe_mlp`).
 
     Returns Routing(weights [T, K] float32, ids [T, K] int32, aux RouterAux).
     """
     if not hasattr(x, "shape") or x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"route_tokens: x must be a float array of shape [T, H], got "
                          f"{getattr(x, 'shape', type(x))} {getattr(x, 'dtype', '')}")
-    if (not hasattr(router, "shape") or router.ndim != 2 or router.shape[0] != x.shape[1]
+    stacked = () if layer is None else ("NL",)
+    if layer is not None:
+        layer = check_layer(layer, (("router", router),) + ((("bias", bias),) if bias is not None else ()),
+                            "route_tokens")
+    if (not hasattr(router, "shape") or router.ndim != 2 + len(stacked) or router.shape[-2] != x.shape[1]
             or not jnp.issubdtype(router.dtype, jnp.floating)):
-        raise ValueError(f"route_tokens: router must be a float array of shape [H = {x.shape[1]}, E], got "
+        raise ValueError(f"route_tokens: router must be a float array of shape {[*stacked, x.shape[1], 'E']}, got "
                          f"{getattr(router, 'shape', type(router))} {getattr(router, 'dtype', '')}")
-    E = router.shape[1]
+    E = router.shape[-1]
     check_routing_args(E, top_k, scoring, num_groups, topk_groups)
     check_token_rounding(token_rounding, top_k, "route_tokens")
-    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (E,)):
-        raise ValueError(f"route_tokens: bias must have shape [{E}] (the number of experts), "
+    if bias is not None and (not hasattr(bias, "shape") or tuple(bias.shape) != (*router.shape[:-2], E)):
+        raise ValueError(f"route_tokens: bias must have shape {[*router.shape[:-2], E]} (the number of experts), "
                          f"got {getattr(bias, 'shape', type(bias))}")
     if not router_kernel.hidden_applies(x.shape, x.dtype, E):
+        if layer is not None:  # the layer's router in a jnp product: no custom call to slice for
+            router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
+            bias = None if bias is None else jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False)
         return route(router_kernel.router_logits(x, router), top_k, scoring=scoring, renormalize=renormalize,
                      bias=bias, num_groups=num_groups, topk_groups=topk_groups,
                      routed_scaling_factor=routed_scaling_factor, token_rounding=token_rounding)
     logits, weights, ids = router_kernel.router_hidden(
         x, router, bias, top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
-        topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor)
+        topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor, layer=layer)
     return _routing(logits, weights, ids, scoring, renormalize, routed_scaling_factor, token_rounding)
 
 

@@ -30,7 +30,7 @@ def test_decode_bench_writes_rows(tmp_path):
     assert not PLOTTING or png.stat().st_size > 0
     rows = json.loads(out.read_text())
     model = bench_decode.MODELS["tiny"]
-    assert [(r["T"], r["impl"]) for r in rows] == [(3, "ours"), (3, "pure_jax")]
+    assert [(r["T"], r["impl"]) for r in rows] == [(3, "ours"), (3, "stacked"), (3, "pure_jax")]
     for r in rows:
         assert r["status"] == "ok" and r["layers"] == 2
         for key in POSITIVE:
@@ -46,10 +46,11 @@ def test_decode_bench_writes_rows(tmp_path):
         assert r["jit_bound_us"] == pytest.approx(r["bound_bytes"] / r["jit_copy_TBps"] / 1e6)
         assert r["wall_over_bound"] == pytest.approx(r["wall_us"] / r["bound_us"])
         assert r["device_over_jit_bound"] == pytest.approx(r["device_us"] / r["jit_bound_us"])
-    for ours, theirs in zip(rows[::2], rows[1::2]):
+    theirs = rows[2]
+    assert theirs["speedup_wall"] is None
+    for ours in rows[:2]:
         assert ours["speedup_wall"] == pytest.approx(theirs["wall_us"] / ours["wall_us"])
         assert ours["speedup_device"] == pytest.approx(theirs["device_us"] / ours["device_us"])
-        assert theirs["speedup_wall"] is None
         assert ours["custom_calls"] > 0  # our permute / unpermute kernels
     assert run.stdout.rstrip().endswith(bench_decode.format_table(rows))  # the table comes last
 
@@ -68,15 +69,16 @@ def test_profiler_failure_and_reference_out_of_memory_are_recorded(monkeypatch, 
     params = bench_decode.stacked_weights(model, 1)
     assert params["w_in"].shape == (1, model.experts, model.hidden, 2 * model.ffn) and params["bias"].shape == (1, 16)
     assert len({np.asarray(w).tobytes() for w in params["w_in"][0]}) == model.experts  # every expert its own draw
-    ours, ref = bench_decode.bench_point("tiny_grouped", params, 2, copy_tbps=1.0, jit_tbps=0.5, steps=2, warmup=0,
-                                         iterations=2)
-    assert ours["status"] == "ok" and ours["wall_us"] > 0 and ours["wall_over_bound"] > 0
-    assert ours["device_us"] is None and ours["device_over_bound"] is None and ours["speedup_wall"] is None
+    ours, stacked, ref = bench_decode.bench_point("tiny_grouped", params, 2, copy_tbps=1.0, jit_tbps=0.5, steps=2,
+                                                  warmup=0, iterations=2)
+    for r in (ours, stacked):
+        assert r["status"] == "ok" and r["wall_us"] > 0 and r["wall_over_bound"] > 0
+        assert r["device_us"] is None and r["device_over_bound"] is None and r["speedup_wall"] is None
     assert ref["status"] == "OOM" and ref["wall_us"] is None and ref["temp_bytes"] is None
     assert ours["jit_bound_us"] == pytest.approx(2 * ours["bound_us"])
     out = capsys.readouterr().out
     assert "not consistent" in out and "out of memory" in out
-    lines = bench_decode.format_table([ours, ref]).splitlines()[2:]
+    lines = bench_decode.format_table([ours, ref]).splitlines()[2:]  # the stacked step's row as ours
     assert " OOM " in lines[1] and " OOM " not in lines[0]
 
 
@@ -90,11 +92,11 @@ def test_reference_can_be_skipped(monkeypatch):
     model = bench_decode.MODELS["tiny"]
     params = dict(router=np.zeros((2, model.hidden, model.experts)))  # only its layer count is read
     rows = bench_decode.bench_point("tiny", params, 1, copy_tbps=1.0, jit_tbps=1.0, with_reference=False)
-    assert measured == ["ours"] and [r["status"] for r in rows] == ["ok", "skipped"]
+    assert measured == ["ours", "stacked"] and [r["status"] for r in rows] == ["ok", "ok", "skipped"]
     assert rows[0]["routed_experts_per_layer"] == 3
     assert rows[0]["bound_bytes"] == 6 * bench_decode.expert_bytes(model) + 2 * bench_decode.router_bytes(model)
     assert rows[0]["wall_over_bound"] == pytest.approx(4.0 / rows[0]["bound_us"])
-    assert " skipped " in bench_decode.format_table(rows).splitlines()[3]
+    assert " skipped " in bench_decode.format_table(rows).splitlines()[4]
 
 
 def test_layers_that_fit_leave_headroom():

@@ -182,30 +182,52 @@ MoeMlpDecodeArgs mlp_decode_args(int64_t tokens, int64_t top_k, int64_t experts,
   return a;
 }
 
-// The routed experts' MLP of a decode step (moe_mlp_decode.cu), chosen at lowering.
-ffi::Error MoeMlpDecode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
-                        ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> workspace) {
+// The routed experts' MLP of a decode step (moe_mlp_decode.cu), chosen at lowering. With `layer`
+// (a device scalar) w_in and w_out are stacks [layers, E, ...] and the kernels read that layer's
+// experts: no XLA slice of the stack (whose dynamic offset XLA would copy to the host and wait for).
+ffi::Error mlp_decode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
+                      ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, const I32Buffer* layer, int64_t activation,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
   auto xd = x.dimensions(), wd = weights.dimensions(), id = ids.dimensions(), ind = w_in.dimensions(),
        outd = w_out.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || id.size() != 2 || ind.size() != 3 || outd.size() != 3 || od.size() != 2)
-    return invalid("moe_mlp decode: expected x [T, H], weights and ids [T, K], w_in [E, H, C], w_out [E, F, H'], "
-                   "out [T, H']");
+  const size_t lead = layer != nullptr ? 1 : 0;  // the stack's layer dimension
+  if (xd.size() != 2 || wd.size() != 2 || id.size() != 2 || ind.size() != 3 + lead || outd.size() != 3 + lead ||
+      od.size() != 2)
+    return invalid("moe_mlp decode: expected x [T, H], weights and ids [T, K], w_in [(L,) E, H, C], "
+                   "w_out [(L,) E, F, H'], out [T, H']");
   auto dtype = gemm_dtype(x.element_type());
   if (!dtype || w_in.element_type() != x.element_type() || w_out.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
     return invalid("moe_mlp decode: x, w_in, w_out and out must all be bfloat16 or all float16");
   if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return invalid("moe_mlp decode: bad activation");
-  MoeMlpDecodeArgs a = mlp_decode_args(xd[0], wd[1], ind[0], xd[1], outd[1], ind[2], outd[2], activation);
-  if (wd[0] != a.tokens || id[0] != a.tokens || id[1] != a.top_k || ind[1] != a.hidden || outd[0] != a.experts ||
-      od[0] != a.tokens || od[1] != a.out_cols)
+  MoeMlpDecodeArgs a = mlp_decode_args(xd[0], wd[1], ind[lead], xd[1], outd[lead + 1], ind[lead + 2],
+                                       outd[lead + 2], activation);
+  if (wd[0] != a.tokens || id[0] != a.tokens || id[1] != a.top_k || ind[lead + 1] != a.hidden ||
+      outd[lead] != a.experts || od[0] != a.tokens || od[1] != a.out_cols)
     return invalid("moe_mlp decode: operand shapes do not agree");
+  if (layer != nullptr) {
+    if (layer->element_count() != 1) return invalid("moe_mlp decode: layer must be one int32");
+    if (ind[0] != outd[0] || ind[0] < 1) return invalid("moe_mlp decode: w_in and w_out must stack one layer count");
+    a.layer = layer->typed_data(), a.layers = ind[0];
+  }
   if (!moe_mlp_decode_fits(a)) return invalid("moe_mlp decode: shapes outside the kernel's range");
   a.x = x.untyped_data(), a.weights = weights.typed_data(), a.ids = ids.typed_data();
   a.w_in = w_in.untyped_data(), a.w_out = w_out.untyped_data(), a.out = out->untyped_data();
   a.workspace = workspace->untyped_data(), a.workspace_bytes = int64_t(workspace->size_bytes());
   if (a.workspace_bytes < moe_mlp_decode_workspace_bytes(a)) return invalid("moe_mlp decode: workspace too small");
   return gemm_error(moe_mlp_decode(*dtype, a, stream));
+}
+
+ffi::Error MoeMlpDecode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
+                        ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> workspace) {
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, nullptr, activation, out, workspace);
+}
+
+ffi::Error MoeMlpDecodeStacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
+                               ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, I32Buffer layer, int64_t activation,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, &layer, activation, out, workspace);
 }
 
 // out[b, g] [K, N] = lhs[b] rows of g ([rows, K]) transposed times rhs[b] rows of g ([rows, N]).
@@ -311,6 +333,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeCuda, moe::gemm::MoeMlpDecode,
                                   .Arg<moe::gemm::I32Buffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("activation")
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+// The same on stacked weights, the layer read on the device: graph-safe as above.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeStackedCuda, moe::gemm::MoeMlpDecodeStacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights [T, K]
+                                  .Arg<moe::gemm::I32Buffer>()             // ids [T, K]
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_in [L, E, H, C]
+                                  .Arg<xla::ffi::AnyBuffer>()              // w_out [L, E, F, H']
+                                  .Arg<moe::gemm::I32Buffer>()             // layer []
                                   .Attr<int64_t>("activation")
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),

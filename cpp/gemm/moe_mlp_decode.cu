@@ -145,6 +145,13 @@ __device__ __forceinline__ float sum_over_warps(const float (&acc)[kVec], float 
 
 __device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) { return e >= 0 && e < experts; }
 
+// The index of expert e's matrix in w_in / w_out: stacked weights add the layer's E experts.
+__device__ __forceinline__ int64_t weight_index(const MoeMlpDecodeArgs& a, int32_t e) {
+  if (a.layer == nullptr) return e;
+  const int64_t layer = std::min<int64_t>(std::max<int64_t>(*a.layer, 0), a.layers - 1);
+  return layer * a.experts + e;
+}
+
 template <class E>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpDecodeArgs a, Plan plan) {
   __shared__ float red[kWarps][kStrip];
@@ -161,8 +168,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   const int64_t col = col0 + (threadIdx.x % 32) * kVec;
   const int64_t k_begin = std::min(a.hidden, split * plan.in_split_rows);
   const int64_t k_end = std::min(a.hidden, k_begin + plan.in_split_rows);
-  const WeightRows<E> rows{static_cast<const E*>(a.w_in) + int64_t(e) * a.hidden * a.in_cols, a.in_cols, k_begin,
-                           k_end, col, col < a.in_cols};
+  const E* w_in = static_cast<const E*>(a.w_in) + weight_index(a, e) * a.hidden * a.in_cols;
+  const WeightRows<E> rows{w_in, a.in_cols, k_begin, k_end, col, col < a.in_cols};
   uint4 wv[kBatch];
   rows.load(k_begin, wv);
   const E* x = static_cast<const E*>(a.x) + t * a.hidden;  // rows of 16-byte multiples (hidden % kVec == 0)
@@ -193,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
     const int64_t f_begin = std::min(a.ffn, split * plan.out_split_rows);
     const int64_t f_end = std::min(a.ffn, f_begin + plan.out_split_rows);
     const int64_t col = col0 + (threadIdx.x % 32) * kVec;
-    const WeightRows<E> rows{static_cast<const E*>(a.w_out) + int64_t(e) * a.ffn * a.out_cols, a.out_cols, f_begin,
-                             f_end, col, col < a.out_cols};
+    const E* w_out = static_cast<const E*>(a.w_out) + weight_index(a, e) * a.ffn * a.out_cols;
+    const WeightRows<E> rows{w_out, a.out_cols, f_begin, f_end, col, col < a.out_cols};
     uint4 wv[kBatch];
     rows.load(f_begin, wv);
     wait_for_previous_grid();  // launch 1's sums (and zeroed counters) are complete from here on

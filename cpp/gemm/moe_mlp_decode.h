@@ -22,8 +22,12 @@ struct MoeMlpDecodeArgs {
   const void* x = nullptr;         // [T, H]
   const float* weights = nullptr;  // [T, K]
   const int32_t* ids = nullptr;    // [T, K]; outside [0, E): contributes nothing
-  const void* w_in = nullptr;      // [E, H, in_cols]
-  const void* w_out = nullptr;     // [E, F, H']
+  const void* w_in = nullptr;      // [E, H, in_cols], or [layers, E, H, in_cols] with `layer`
+  const void* w_out = nullptr;     // [E, F, H'], or [layers, E, F, H'] with `layer`
+  // Stacked weights: the layer to use, read on the device (a loop counter: no host copy, no
+  // XLA slice of the stack), clamped to [0, layers) as dynamic_slice clamps. Null: unstacked.
+  const int32_t* layer = nullptr;
+  int64_t layers = 1;
   void* out = nullptr;             // [T, H']
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
