@@ -97,7 +97,7 @@ struct RouterHiddenArgs {
   float* logits;                                        // [T, E]
   RouterArgs route;
   // Stacked routers: weight [layers, H, E] and route.bias [layers, E] (row stride 0), the layer
-  // read on the device and clamped to [0, layers). Null: one router.
+  // read on the device, wrapped and clamped as dynamic_slice does. Null: one router.
   const int32_t* layer = nullptr;
   int64_t layers = 1;
 };

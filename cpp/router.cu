@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
   const int64_t H = a.hidden, E = a.route.experts;
-  const int64_t layer = a.layer == nullptr ? 0 : std::min<int64_t>(std::max<int64_t>(*a.layer, 0), a.layers - 1);
+  const int64_t layer = a.layer == nullptr ? 0 : gemm::decode::stacked_layer(a.layer, a.layers);
   RouterArgs r = a.route;
   if (r.bias != nullptr) r.bias += layer * E;  // a stacked bias (one router: layer 0)
   const int64_t t0 = int64_t{blockIdx.y} * kTokens;

@@ -66,7 +66,8 @@ def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None)
 
 
 def layer_weights(w, layer):
-    """w[layer] of a stack over layers (clamped as dynamic_slice clamps); w itself without a layer."""
+    """w[layer] of a stack over layers (negative from the end, then clamped: the kernels' rule);
+    w itself without a layer."""
     return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
 
 

@@ -95,7 +95,8 @@ def moe_mlp(
         [0, L) or -1 (not here), for expert parallelism; num_local_experts = L is then required.
       layer: optional int32 scalar (e.g. a `lax.scan`'s layer counter, traced): w_in and w_out
         are then stacks [NL, L, ., .] over a model's layers and the call uses w_in[layer],
-        w_out[layer] (clamped as `dynamic_slice` clamps). In a decode step the fused decode
+        w_out[layer] (as `lax.dynamic_index_in_dim` indexes: negative from the end, then clamped).
+        In a decode step the fused decode
         kernels read that layer on the device, where a slice of the stack made in the scan would
         cost XLA a host round trip per layer (docs/layer.md, "Stacked layers").
 

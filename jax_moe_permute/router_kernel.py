@@ -249,17 +249,20 @@ def _hidden_kernel_fits(x, router, num_groups) -> bool:
             and bool(_native.kernel_fits("cuda", "router_hidden", T, H, E, num_groups)))
 
 
-def _hidden_cuda_rule(ctx, x, router, bias, *, top_k, scoring, renormalize, num_groups, topk_groups, scale,
-                      has_bias):
-    params = dict(top_k=top_k, scoring=scoring, renormalize=renormalize, num_groups=num_groups,
-                  topk_groups=topk_groups, scale=scale, has_bias=has_bias)
+def _hidden_cuda_rule(ctx, x, router, bias, **params):
     x_aval, router_aval, _ = ctx.avals_in
-    if lowers_for_many_devices(ctx) or not _hidden_kernel_fits(x_aval, router_aval, num_groups):
+    if lowers_for_many_devices(ctx) or not _hidden_kernel_fits(x_aval, router_aval, params["num_groups"]):
         return _lower_hidden_composition(ctx, x, router, bias, **params)
-    return jax.ffi.ffi_lowering(_native.target("router_hidden"))(
-        ctx, x, router, bias, top_k=np.int64(top_k), scoring=np.int64(_SCORING_CODES[scoring]),
-        renormalize=np.int64(renormalize), num_groups=np.int64(num_groups), topk_groups=np.int64(topk_groups),
-        has_bias=np.int64(has_bias), scale=np.float32(scale))
+    return _hidden_ffi_call("router_hidden", ctx, (x, router, bias), params)
+
+
+def _hidden_ffi_call(target: str, ctx, operands, params):
+    """The router_hidden kernel's custom call (one router or the stacked form)."""
+    return jax.ffi.ffi_lowering(_native.target(target))(
+        ctx, *operands, top_k=np.int64(params["top_k"]), scoring=np.int64(_SCORING_CODES[params["scoring"]]),
+        renormalize=np.int64(params["renormalize"]), num_groups=np.int64(params["num_groups"]),
+        topk_groups=np.int64(params["topk_groups"]), has_bias=np.int64(params["has_bias"]),
+        scale=np.float32(params["scale"]))
 
 
 def _hidden_batch(args, dims, **params):
@@ -349,11 +352,7 @@ def _stacked_cuda_rule(ctx, x, router, bias, layer, **params):
     layer_aval = core.ShapedArray(router_aval.shape[1:], router_aval.dtype)
     if lowers_for_many_devices(ctx) or not _hidden_kernel_fits(x_aval, layer_aval, params["num_groups"]):
         return _lower_stacked_composition(ctx, x, router, bias, layer, **params)
-    return jax.ffi.ffi_lowering(_native.target("router_hidden_stacked"))(
-        ctx, x, router, bias, layer, top_k=np.int64(params["top_k"]),
-        scoring=np.int64(_SCORING_CODES[params["scoring"]]), renormalize=np.int64(params["renormalize"]),
-        num_groups=np.int64(params["num_groups"]), topk_groups=np.int64(params["topk_groups"]),
-        has_bias=np.int64(params["has_bias"]), scale=np.float32(params["scale"]))
+    return _hidden_ffi_call("router_hidden_stacked", ctx, (x, router, bias, layer), params)
 
 
 def _stacked_batch(args, dims, **params):

@@ -3,8 +3,10 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_decode_mlp_cases.py
 
 Every activation, bf16 and f16, ids past the experts, -1 and repeated, several splits of H and F,
-a strip past the last column, many pairs per expert (the kernels forced); each result checked
-against a float64 NumPy reference on the host, so an uninitialised read also shows as a mismatch."""
+a strip past the last column, many pairs per expert (the kernels forced), and the stacked form
+(weights stacked over 3 layers, the layer read on the device: the last one as 2, as -1 and as 7,
+which clamps); each result checked against a float64 NumPy reference on the host, so an
+uninitialised read also shows as a mismatch."""
 
 import os
 
@@ -64,6 +66,21 @@ def main():
                 ref = reference(x, w, ids, w_in, w_out, activation)
                 tol = 3e-2 * max(1.0, float(np.abs(ref).max()))
                 assert np.abs(out - ref).max() <= tol, (dtype, activation, T, E, K, H, F)
+            # The stacked form on the first case: layer 2 of 3, as 2, -1 (from the end) and 7 (clamped).
+            T, E, K, H, F = CASES[0]
+            k1, k2, k3, k4, k5, key = jax.random.split(key, 6)
+            x = jax.random.normal(k1, (T, H)).astype(dtype)
+            w = jax.random.uniform(k2, (T, K))
+            ids = np.array(jax.random.randint(k3, (T, K), 0, E))
+            stack_in = (jax.random.normal(k4, (3, E, H, width * F)) * H ** -0.5).astype(dtype)
+            stack_out = (jax.random.normal(k5, (3, E, F, H)) * F ** -0.5).astype(dtype)
+            f = jax.jit(lambda x, w, ids, wi, wo, i: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation, layer=i))
+            assert "moe_mlp_decode_stacked" in f.lower(x, w, ids, stack_in, stack_out, 2).as_text()
+            ref = reference(x, w, ids, stack_in[2], stack_out[2], activation)
+            tol = 3e-2 * max(1.0, float(np.abs(ref).max()))
+            for layer in (2, -1, 7):
+                out = np.asarray(f(x, w, jnp.asarray(ids), stack_in, stack_out, layer), np.float64)
+                assert np.abs(out - ref).max() <= tol, (dtype, activation, "stacked", layer)
     print("SANITIZE DECODE MLP CASES DONE")
 
 

@@ -39,9 +39,30 @@ ROUTE_TOKENS_CASES = [
 ]
 
 
+def run_stacked(T, H, E, K, layers=3, seed=1, **kw):
+    """The stacked form (routers and biases over `layers` layers, the layer read on the device):
+    equal to the one-router call on the layer's slice, for the last layer, as itself, as -1 (from
+    the end) and past the stack (clamped)."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(k[0], (T, H)).astype(jnp.bfloat16)
+    router = (jax.random.normal(k[1], (layers, H, E)) * H ** -0.5).astype(jnp.bfloat16)
+    bias = jax.random.normal(k[2], (layers, E)) * 0.3 if kw.pop("with_bias", False) else None
+    f = jax.jit(lambda x, r, b, i: jmp.route_tokens(x, r, K, bias=b, layer=i, **kw))
+    assert "router_hidden_stacked" in f.lower(x, router, bias, 0).as_text()
+    want = jmp.route_tokens(x, router[-1], K, bias=None if bias is None else bias[-1], **kw)
+    for layer in (layers - 1, -1, layers + 4):
+        got = f(x, router, bias, layer)
+        assert np.array_equal(np.asarray(got.ids), np.asarray(want.ids))
+        assert np.array_equal(np.asarray(got.weights), np.asarray(want.weights))
+    return [np.asarray(a).shape for a in (got.ids, got.weights)]
+
+
 if __name__ == "__main__":
     if gemm_primitives.gpu_is_sm90():
         with router_kernel.hidden_kernel_wherever_it_fits():  # every case on the kernel
             for case in ROUTE_TOKENS_CASES:
                 print("route_tokens", case, run_route_tokens(**case))
+            print("stacked", run_stacked(T=1, H=2048, E=128, K=8))
+            print("stacked", run_stacked(T=2, H=512, E=64, K=4, scoring="sigmoid", with_bias=True, num_groups=8,
+                                         topk_groups=4))
     print("SANITIZE CASES DONE")

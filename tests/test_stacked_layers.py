@@ -31,8 +31,9 @@ def test_moe_mlp_layer_equals_its_slice(T, E, K, H, F, activation):
     x = random_float((T, H), jnp.float32)
     r = jmp.route(random_float((T, E), jnp.float32, 2.0), K)
     f = jax.jit(functools.partial(jmp.moe_mlp, activation=activation))
-    for i in range(NL):
-        want = f(x, r.weights, r.ids, w_in[i], w_out[i])
+    for i in (*range(NL), -1, NL + 2, -NL - 3):  # negative from the end, then clamped
+        want = f(x, r.weights, r.ids, w_in[i if -NL <= i < NL else (0 if i < 0 else NL - 1)],
+                 w_out[i if -NL <= i < NL else (0 if i < 0 else NL - 1)])
         got = jax.jit(lambda x, w, wi, wo, i: jmp.moe_mlp(x, w, r.ids, wi, wo, activation=activation, layer=i))(
             x, r.weights, w_in, w_out, jnp.int32(i))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -179,6 +180,13 @@ def test_decode_kernels_read_the_layer(model):
             return x + jmp.moe_mlp(x, r.weights, r.ids, w_in[i], w_out[i]), None
         return jax.lax.scan(body, x, jnp.arange(NL, dtype=jnp.int32))[0]
 
+    # the layer read on the device as lax.dynamic_index_in_dim reads it: from the end, clamped
+    x = random_float((1, H), jnp.bfloat16)
+    r1 = jmp.route_tokens(x, router[NL - 1], K)
+    last = jax.jit(lambda x, i: jmp.moe_mlp(x, r1.weights, r1.ids, w_in, w_out, layer=i))
+    want = jmp.moe_mlp(x, r1.weights, r1.ids, w_in[NL - 1], w_out[NL - 1])
+    for i in (NL - 1, -1, NL + 4):
+        np.testing.assert_array_equal(np.asarray(last(x, i), np.float32), np.asarray(want, np.float32))
     stacked, sliced = jax.jit(functools.partial(step, True)), jax.jit(functools.partial(step, False))
     hlo = stacked.lower(random_float((1, H), jnp.bfloat16)).as_text()
     assert "moe_mlp_decode_stacked" in hlo

@@ -51,4 +51,12 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
 
 inline int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
+// The layer of a stack of `layers` that `layer` (on the device) selects, as lax.dynamic_slice
+// selects it: a negative index counts from the end once, then clamps to [0, layers).
+__device__ __forceinline__ int64_t stacked_layer(const int32_t* layer, int64_t layers) {
+  int64_t l = *layer;
+  if (l < 0) l += layers;
+  return l < 0 ? 0 : (l >= layers ? layers - 1 : l);
+}
+
 }  // namespace moe::gemm::decode

@@ -147,9 +147,7 @@ __device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) { retur
 
 // The index of expert e's matrix in w_in / w_out: stacked weights add the layer's E experts.
 __device__ __forceinline__ int64_t weight_index(const MoeMlpDecodeArgs& a, int32_t e) {
-  if (a.layer == nullptr) return e;
-  const int64_t layer = std::min<int64_t>(std::max<int64_t>(*a.layer, 0), a.layers - 1);
-  return layer * a.experts + e;
+  return a.layer == nullptr ? e : stacked_layer(a.layer, a.layers) * a.experts + e;
 }
 
 template <class E>

@@ -25,7 +25,7 @@ struct MoeMlpDecodeArgs {
   const void* w_in = nullptr;      // [E, H, in_cols], or [layers, E, H, in_cols] with `layer`
   const void* w_out = nullptr;     // [E, F, H'], or [layers, E, F, H'] with `layer`
   // Stacked weights: the layer to use, read on the device (a loop counter: no host copy, no
-  // XLA slice of the stack), clamped to [0, layers) as dynamic_slice clamps. Null: unstacked.
+  // XLA slice of the stack), wrapped and clamped as dynamic_slice does. Null: unstacked.
   const int32_t* layer = nullptr;
   int64_t layers = 1;
   void* out = nullptr;             // [T, H']
