@@ -88,14 +88,15 @@ def round_routing(logits, weights, ids, rounding: TokenRounding, *, scoring: str
 
     # Each expert's column ranked: chosen entries first (scores are in [0, 1]), each part by
     # score, ties to the lower token. A token is kept when it ranks at or before the column's
-    # target-th, found by one sort on (key descending, token ascending) with no scatter.
-    key = jnp.where(chosen, 2.0 + order_scores, order_scores)
-    token = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, E))
-    neg_sorted, token_sorted = jax.lax.sort((-key, token), dimension=0, num_keys=2)
-    last = jnp.maximum(target - 1, 0)[None, :]
-    last_key = -jnp.take_along_axis(neg_sorted, last, axis=0)
-    last_token = jnp.take_along_axis(token_sorted, last, axis=0)
-    keep = ((key > last_key) | ((key == last_key) & (token <= last_token))) & (target > 0)[None, :]
+    # target-th, found by one stable key-value sort of each expert's row (key descending, the
+    # tokens in ascending order as values: ties keep it), with no scatter.
+    key = jnp.where(chosen, 2.0 + order_scores, order_scores).T  # [E, T]
+    token = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (E, T))
+    neg_sorted, token_sorted = jax.lax.sort((-key, token), dimension=1, is_stable=True, num_keys=1)
+    last = jnp.maximum(target - 1, 0)[:, None]
+    last_key = -jnp.take_along_axis(neg_sorted, last, axis=1)
+    last_token = jnp.take_along_axis(token_sorted, last, axis=1)
+    keep = (((key > last_key) | ((key == last_key) & (token <= last_token))) & (target > 0)[:, None]).T
 
     kept = jnp.take_along_axis(keep, ids, axis=1)
     out_ids = [jnp.where(kept, ids, -1)]
