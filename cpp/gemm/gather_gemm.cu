@@ -189,6 +189,17 @@ __device__ __forceinline__ Tile decode_tile(int tile, const int32_t* group_end, 
   return t;
 }
 
+// The sum of v over lanes 0..lane of the warp.
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const T y = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += y;
+  }
+  return v;
+}
+
 // Warp 0: group ends (clamped to M) and the running count of 128-row tiles, into shared memory.
 __device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_tile_end) {
   const int lane = threadIdx.x & 31;
@@ -197,22 +208,10 @@ __device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_ti
   for (int base = 0; base < p.experts; base += 32) {
     const int g = base + lane;
     const int64_t size = g < p.experts ? max(p.group_sizes[g], 0) : 0;
-    int64_t rows_incl = size;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int64_t y = __shfl_up_sync(0xffffffffu, rows_incl, off);
-      if (lane >= off) rows_incl += y;
-    }
-    rows_incl += rows_before;
+    const int64_t rows_incl = warp_inclusive_sum(size, lane) + rows_before;
     const int64_t end = min(rows_incl, p.rows), start = min(rows_incl - size, p.rows);
     const int32_t tiles = int32_t((end - start + kTileRows - 1) / kTileRows);
-    int32_t tiles_incl = tiles;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, tiles_incl, off);
-      if (lane >= off) tiles_incl += y;
-    }
-    tiles_incl += tiles_before;
+    const int32_t tiles_incl = warp_inclusive_sum(tiles, lane) + tiles_before;
     if (g < p.experts) {
       group_end[g] = int32_t(end);
       row_tile_end[g] = tiles_incl;
