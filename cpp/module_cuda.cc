@@ -40,6 +40,7 @@ NB_MODULE(_cuda, m) {
     d["ragged_dot"] = moe::capsule(MoeRaggedDotCuda);
     d["ragged_dot_weight_grad"] = moe::capsule(MoeRaggedDotWeightGradCuda);
     d["ragged_dot_decode"] = moe::capsule(MoeRaggedDotDecodeCuda);
+    d["ragged_dot_stacked"] = moe::capsule(MoeRaggedDotStackedCuda);
     d["moe_mlp_decode"] = moe::capsule(MoeMlpDecodeCuda);
     d["moe_mlp_decode_stacked"] = moe::capsule(MoeMlpDecodeStackedCuda);
     d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);

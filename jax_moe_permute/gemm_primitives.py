@@ -265,3 +265,51 @@ ad.primitive_transposes[ragged_dot_wgrad_p] = _ragged_dot_wgrad_transpose
 if _native.has_target("cuda", "ragged_dot"):
     mlir.register_lowering(ragged_dot_p, _lower_ragged_dot_cuda, platform="cuda")
     mlir.register_lowering(ragged_dot_wgrad_p, _lower_ragged_dot_wgrad_cuda, platform="cuda")
+
+
+# ---- ragged_dot_stacked: the forward GEMM on one layer of a stacked rhs ---------------------
+#
+#   ragged_dot_stacked  (lhs [1, M, K], rhs [NL, G, K, N], group_sizes [1, G], layer [] int32)
+#                       -> out [1, M, N] = ragged_dot(lhs, rhs[layer], group_sizes)
+#
+# On sm_90 the CUTLASS kernel's setup kernel reads the layer on the device (no XLA slice of the
+# stack: XLA passes a dynamic slice to a custom call by copying its offset to the host and waiting).
+# Elsewhere, for decode-sized groups and under transformations: the slice and ragged_dot. It is
+# the primal of moe_mlp's stacked forward; derivatives go through moe_mlp's JVP rule.
+
+ragged_dot_stacked_p = Primitive("jax_moe_permute_ragged_dot_stacked")
+
+
+def _stacked_composition(lhs, rhs, group_sizes, layer):
+    rhs = jax.lax.dynamic_index_in_dim(rhs, layer, 0, keepdims=True)
+    return ragged_dot_bind(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=lhs.dtype, precision=None)
+
+
+def _stacked_abstract(lhs, rhs, group_sizes, layer):
+    return _compat.shaped_like((lhs, group_sizes), (1, lhs.shape[1], rhs.shape[3]), lhs.dtype)
+
+
+def _lower_stacked_cuda(ctx, lhs, rhs, group_sizes, layer):
+    out, (_, rows, k), groups = ctx.avals_out[0], ctx.avals_in[0].shape, ctx.avals_in[2].shape[1]
+    if not _kernel_fits(ctx.avals_in[:3], out, k, out.shape[2]) or use_decode_kernel(1, rows, groups):
+        return _lower_stacked_composition(ctx, lhs, rhs, group_sizes, layer)
+    return _ffi_call(ctx, "ragged_dot_stacked", _LAYOUT_FORWARD, (lhs, rhs, group_sizes, layer))
+
+
+def _stacked_batch(args, dims):
+    return jax.vmap(_stacked_composition, in_axes=dims)(*args), 0
+
+
+def _stacked_jvp(primals, tangents):
+    return jax.jvp(_stacked_composition, tuple(primals), tuple(ad.instantiate_zeros(t) for t in tangents))
+
+
+_lower_stacked_composition = mlir.lower_fun(_stacked_composition, multiple_results=False)
+
+ragged_dot_stacked_p.def_impl(jax.jit(ragged_dot_stacked_p.bind))
+ragged_dot_stacked_p.def_abstract_eval(_stacked_abstract)
+mlir.register_lowering(ragged_dot_stacked_p, _lower_stacked_composition)
+batching.primitive_batchers[ragged_dot_stacked_p] = _stacked_batch
+ad.primitive_jvps[ragged_dot_stacked_p] = _stacked_jvp
+if _native.has_target("cuda", "ragged_dot_stacked"):
+    mlir.register_lowering(ragged_dot_stacked_p, _lower_stacked_cuda, platform="cuda")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from .gemm_primitives import kernels_available, ragged_dot_bind
+from .gemm_primitives import kernels_available, ragged_dot_bind, ragged_dot_stacked_p
 
 __all__ = ["ragged_dot", "kernels_available", "TILES", "DECODE_TILE"]
 
@@ -79,6 +79,15 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     out = ragged_dot_bind(lhs[None], rhs[None], group_sizes[None], rhs_transposed=False, out_dtype=out_dtype,
                           precision=_hashable(precision))
     return out[0]
+
+
+def ragged_dot_stacked(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, layer) -> jax.Array:
+    """`ragged_dot(lhs, rhs[layer], group_sizes)` for rhs [NL, G, K, N] stacked over a model's
+    layers and an int32 scalar layer: on sm_90 the kernel reads the layer on the device
+    (gemm_primitives.ragged_dot_stacked_p); inputs of one dtype, output in it."""
+    lhs, rhs, group_sizes, layer = _compat.pvary_to_match(lhs, rhs, group_sizes.astype(jnp.int32),
+                                                          jnp.asarray(layer, jnp.int32).reshape(()))
+    return ragged_dot_stacked_p.bind(lhs[None], rhs, group_sizes[None], layer)[0]
 
 
 def _hashable(precision):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import decode_mlp, gather_gemm, ops, primitives
-from .grouped_gemm import ragged_dot
+from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
 from .token_rounding import check_token_rounding
@@ -154,12 +154,13 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation,
     if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
         local = ids if expert_map is None else _local_ids(ids, expert_map)
         return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer)
-    w_in, w_out = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
-    if _gathers(x, ids, w_in, activation):
+    w_in_layer, w_out_layer = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
+    if _gathers(x, ids, w_in_layer, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
-        h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation)
-        return ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype)
-    return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts)
+        h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
+        return ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype)
+    # stacked weights stay whole: the grouped GEMMs read the layer on the device
+    return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer)
 
 
 def _gathers(x, ids, w_in, activation) -> bool:
@@ -179,11 +180,14 @@ def routing_rows(x, ids, num_experts, expert_map=None, num_local_experts=None):
     return res.hidden[:, 0].astype(jnp.int32) - 1, res.group_sizes, res.row_map
 
 
-def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None):
-    """permute -> expert_mlp -> weighted unpermute; ids index w_in's experts unless expert_map maps them."""
-    num_experts = w_in.shape[0] if expert_map is None else expert_map.shape[0]
+def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None,
+                           layer=None):
+    """permute -> expert_mlp -> weighted unpermute; ids index w_in's experts unless expert_map maps them.
+    With `layer`, w_in and w_out are stacks over layers whose grouped GEMMs read that layer."""
+    num_experts = w_in.shape[-3] if expert_map is None else expert_map.shape[0]
     res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
-    y = expert_mlp(res.hidden, res.group_sizes, w_in, w_out, activation)
+    matmul = ragged_dot if layer is None else functools.partial(ragged_dot_stacked, layer=layer)
+    y = expert_mlp(res.hidden, res.group_sizes, w_in, w_out, activation, matmul=matmul)
     return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
 
 

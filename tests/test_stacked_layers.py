@@ -1,8 +1,8 @@
 """Layers stacked over a model (moe_mlp(..., layer=i), route_tokens(..., layer=i)): equal to the
 call on the layer's own weights, forward and derivatives (zero for the other layers), inside a
-lax.scan over the layers, with expert_map and bias, under vmap; bad arguments. On the GPU the
-decode kernels and the router kernel read the layer on the device: same results, and the scan's
-HLO passes them the whole stack (no dynamic slice of it)."""
+lax.scan over the layers, with expert_map and bias, under vmap; the stacked grouped GEMM; bad
+arguments. On the GPU the decode kernels, the router kernel and the CUTLASS grouped GEMM read the
+layer on the device: same results, and the HLO passes them the whole stack (no dynamic slice)."""
 
 import functools
 
@@ -138,6 +138,31 @@ def test_stacked_primitives_on_every_backend(dtype):
         np.testing.assert_array_equal(np.asarray(bx[v]), np.asarray(jmp.route_tokens(xs[v], router[0], K).ids))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_dot_stacked(dtype):
+    """The grouped GEMM on a layer of a stacked rhs (moe_mlp's stacked forward above decode
+    sizes): equal to ragged_dot on the slice, for negative and clamped layers too, under vmap
+    and jvp."""
+    from jax_moe_permute.grouped_gemm import ragged_dot, ragged_dot_stacked
+
+    lhs, rhs = random_float((13, 16), dtype), random_float((NL, 4, 16, 8), dtype)
+    sizes = jnp.asarray([3, 0, 6, 2], jnp.int32)
+    f = jax.jit(ragged_dot_stacked)
+    for i in (0, NL - 1, -1, NL + 3, -NL - 2):
+        j = i if -NL <= i < NL else (0 if i < 0 else NL - 1)
+        np.testing.assert_array_equal(np.asarray(f(lhs, rhs, sizes, i), np.float32),
+                                      np.asarray(ragged_dot(lhs, rhs[j], sizes), np.float32))
+    lhss = jnp.stack([lhs, random_float(lhs.shape, dtype)])
+    batched = jax.vmap(ragged_dot_stacked, (0, None, None, None))(lhss, rhs, sizes, 1)
+    for v in range(2):
+        np.testing.assert_array_equal(np.asarray(batched[v], np.float32),
+                                      np.asarray(ragged_dot(lhss[v], rhs[1], sizes), np.float32))
+    d_lhs, d_rhs = random_float(lhs.shape, dtype), random_float(rhs.shape, dtype)
+    _, t = jax.jvp(lambda a, b: ragged_dot_stacked(a, b, sizes, 2), (lhs, rhs), (d_lhs, d_rhs))
+    _, t1 = jax.jvp(lambda a, b: ragged_dot(a, b, sizes), (lhs, rhs[2]), (d_lhs, d_rhs[2]))
+    np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(t1, np.float32))
+
+
 def test_bad_arguments():
     T, E, K, H, F = 2, 4, 2, 8, 4
     w_in, w_out, router, bias = stacks(E, H, F)
@@ -193,6 +218,14 @@ def test_decode_kernels_read_the_layer(model):
     for _ in range(3):  # new inputs, the same executables
         x = random_float((1, H), jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(stacked(x), np.float32), np.asarray(sliced(x), np.float32))
+    # above decode sizes the grouped GEMMs read the layer (CUTLASS, ragged_dot_stacked)
+    x8 = random_float((8, H), jnp.bfloat16)
+    r8 = jmp.route_tokens(x8, router[1], K)
+    big = jax.jit(lambda x, i: jmp.moe_mlp(x, r8.weights, r8.ids, w_in, w_out, layer=i))
+    assert "ragged_dot_stacked" in big.lower(x8, 1).as_text()  # past the decode rule: the CUTLASS path
+    want8 = jmp.moe_mlp(x8, r8.weights, r8.ids, w_in[1], w_out[1])
+    for i in (1, 1 - NL):
+        np.testing.assert_array_equal(np.asarray(big(x8, i), np.float32), np.asarray(want8, np.float32))
     with router_kernel.hidden_kernel_wherever_it_fits():
         x = random_float((1, H), jnp.bfloat16)
         hlo = jax.jit(lambda x: jmp.route_tokens(x, router, K, layer=2).ids).lower(x).as_text()

@@ -10,6 +10,7 @@ extern "C" {
 XLA_FFI_Error* MoeRaggedDotCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotWeightGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotDecodeCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeRaggedDotStackedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeStackedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeGatherGemmCuda(XLA_FFI_CallFrame* call_frame);  // ffi_gather_gemm_cuda.cc

@@ -96,7 +96,8 @@ std::optional<int64_t> batch_stride(int64_t extent, int64_t batch, int64_t per_e
 ffi::Error bind_operands(GroupedGemmArgs& a, ffi::AnyBuffer& lhs, ffi::AnyBuffer& rhs, I32Buffer& sizes,
                          int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {
   auto ls = batch_stride(lhs.dimensions()[0], a.batch, lhs_per);
-  auto rs = batch_stride(rhs.dimensions()[0], a.batch, rhs_per);
+  // A stacked rhs is indexed on the device by its layer, not by the batch.
+  auto rs = a.rhs_layer != nullptr ? std::optional<int64_t>(0) : batch_stride(rhs.dimensions()[0], a.batch, rhs_per);
   auto ss = batch_stride(sizes.dimensions()[0], a.batch, a.groups);
   if (!ls || !rs || !ss) return invalid("ragged_dot: leading batch extents must be 1 or the output's");
   if (a.k % 8 != 0 || a.n % 8 != 0) return invalid("ragged_dot: K and N must be multiples of 8 (16-byte rows)");
@@ -160,6 +161,21 @@ ffi::Error RaggedDot(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs
   if (auto err = row_grouped_args(lhs, rhs, sizes, rhs_transposed, *out, &a, &dtype); !err.success()) return err;
   return launch(stream, dtype, rhs_transposed ? Layout::kTransposedRhs : Layout::kForward, a, lhs, rhs, sizes,
                 a.rows * a.k, a.groups * a.k * a.n, *workspace);
+}
+
+// The forward GEMM on a layer of rhs stacked over layers ([L, G, K, N]), the layer read on the
+// device by the setup kernel: no XLA slice of the stack (whose dynamic offset XLA would copy to the
+// host and wait for). One batch element.
+ffi::Error RaggedDotStacked(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                            I32Buffer layer, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  GroupedGemmArgs a;
+  Dtype dtype;
+  if (auto err = row_grouped_args(lhs, rhs, sizes, false, *out, &a, &dtype); !err.success()) return err;
+  if (a.batch != 1 || lhs.dimensions()[0] != 1 || sizes.dimensions()[0] != 1)
+    return invalid("ragged_dot stacked: expected one batch element (lhs [1, M, K], group_sizes [1, G])");
+  if (layer.element_count() != 1 || rhs.dimensions()[0] < 1) return invalid("ragged_dot stacked: bad layer");
+  a.rhs_layer = layer.typed_data(), a.rhs_layers = rhs.dimensions()[0];
+  return launch(stream, dtype, Layout::kForward, a, lhs, rhs, sizes, a.rows * a.k, 0, *workspace);
 }
 
 // The forward GEMM on the decode kernel (grouped_gemm_decode.cu), chosen at lowering.
@@ -305,6 +321,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotCuda, moe::gemm::RaggedDot,
                                   .Attr<int64_t>("rhs_transposed")
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>());
+// As RaggedDot (outside command buffers, same reason), on a stacked rhs and its layer.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotStackedCuda, moe::gemm::RaggedDotStacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()    // lhs [1, M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()    // rhs [L, G, K, N]
+                                  .Arg<moe::gemm::I32Buffer>()   // group_sizes [1, G]
+                                  .Arg<moe::gemm::I32Buffer>()   // layer []
+                                  .Ret<xla::ffi::AnyBuffer>()    // out [1, M, N]
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotWeightGradCuda, moe::gemm::RaggedDotWeightGrad,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()

@@ -48,6 +48,10 @@ struct GroupedGemmArgs {
   // Consecutive tiles per cluster and round, on the tiles built with the run order
   // (run_tile_scheduler.cuh; the cooperative 128 x 256); 1 is CUTLASS's strided order.
   int run = 1;
+  // Forward and transposed layouts: rhs stacked over layers ([layers, G, ., .], batch 1), the
+  // layer read on the device by the setup kernel (decode_common.cuh's stacked_layer). Null: none.
+  const int32_t* rhs_layer = nullptr;
+  int64_t rhs_layers = 1;
 };
 
 // Bytes of workspace for `problems` = batch * groups problems: per-problem shapes, pointers and

@@ -18,6 +18,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "decode_common.cuh"
 #include "grouped_gemm.h"
 #include "run_tile_scheduler.cuh"
 
@@ -130,6 +131,8 @@ __global__ void __launch_bounds__(256) setup_problems(GroupedGemmArgs a, int32_t
 
   const Element* lhs = static_cast<const Element*>(a.lhs) + b * a.lhs_batch_stride;
   const Element* rhs = static_cast<const Element*>(a.rhs) + b * a.rhs_batch_stride;
+  if (L != Layout::kWeightGrad && a.rhs_layer != nullptr)
+    rhs += decode::stacked_layer(a.rhs_layer, a.rhs_layers) * G * K * N;
   Element* out = static_cast<Element*>(a.out);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t s = std::min(start, M);
