@@ -2,7 +2,7 @@
 
   moe_mlp_decode  (x [T, H], weights [T, K] float32, ids [T, K] int32, w_in [L, H, C], w_out [L, F, H'])
                   -> out [T, H'] = sum_k weights[t, k] * MLP_{ids[t, k]}(x[t])
-  moe_mlp_decode (stacked)  (..., w_in [NL, L, H, C], w_out [NL, L, F, H'], layer [] int32)
+  moe_mlp_decode  (..., w_in [NL, L, H, C], w_out [NL, L, F, H'], layer [] int32)  (stacked)
                   -> the same with w_in[layer], w_out[layer]
 
 On sm_90 it lowers to the fused decode kernels (cpp/gemm/moe_mlp_decode.cu: two launches in place of
@@ -29,7 +29,7 @@ from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _compat, _native, gemm_primitives
+from . import _compat, _native, gemm_primitives, ops
 
 moe_mlp_decode_p = Primitive("jax_moe_permute_moe_mlp_decode")
 
@@ -60,54 +60,48 @@ def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None)
     """Binds the primitive (arguments checked by `layer.moe_mlp`); with `layer`, w_in and w_out
     are stacks over the model's layers."""
     args = [x, weights.astype(jnp.float32), ids.astype(jnp.int32), w_in, w_out]
-    if layer is not None:
+    if layer is not None:  # the stacked form: one more operand
         args.append(jnp.asarray(layer, jnp.int32).reshape(()))
-    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation, stacked=layer is not None)
+    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation)
 
 
-def layer_weights(w, layer):
-    """w[layer] of a stack over layers (negative from the end, then clamped: the kernels' rule);
-    w itself without a layer."""
-    return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
-
-
-def _unfused(x, weights, ids, w_in, w_out, layer=None, *, activation, stacked):
+def _unfused(x, weights, ids, w_in, w_out, layer=None, *, activation):
     from . import layer as layer_module  # it binds this primitive: import it when first lowered
 
-    w_in, w_out = layer_weights(w_in, layer), layer_weights(w_out, layer)
+    w_in, w_out = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
     return layer_module.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
 
 
-def _abstract(x, weights, ids, w_in, w_out, *layer, activation, stacked):
+def _abstract(x, weights, ids, w_in, w_out, *layer, activation):
     # Like the token operands (the bind made every operand vary along the same manual axes).
     return _compat.shaped_like((x, weights, ids), (x.shape[0], w_out.shape[-1]), x.dtype)
 
 
-def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *layer, activation, stacked):
+def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *layer, activation):
     x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in[:5]
     if not _kernel_fits(x_aval, ids_aval, w_in_aval, w_out_aval):  # e.g. float32, called directly
-        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, *layer, activation=activation, stacked=stacked)
+        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, *layer, activation=activation)
     (T, H), K, (L, _, C), (F, H_out) = x_aval.shape, ids_aval.shape[1], w_in_aval.shape[-3:], w_out_aval.shape[-2:]
     code = ACTIVATION_CODES[activation]
     nbytes = _native.workspace_bytes("cuda", "moe_mlp_decode", T, K, L, H, F, C, H_out, code)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
-    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode_stacked" if stacked else "moe_mlp_decode"))
+    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode_stacked" if layer else "moe_mlp_decode"))
     return call(ctx, x, weights, ids, w_in, w_out, *layer, activation=np.int64(code))[:-1]
 
 
-def _batch(args, dims, *, activation, stacked):
+def _batch(args, dims, *, activation):
     """A vmapped call runs the unfused composition (whose ops batch into single launches)."""
-    return jax.vmap(functools.partial(_unfused, activation=activation, stacked=stacked), in_axes=dims)(*args), 0
+    return jax.vmap(functools.partial(_unfused, activation=activation), in_axes=dims)(*args), 0
 
 
-def _jvp(primals, tangents, *, activation, stacked):
+def _jvp(primals, tangents, *, activation):
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(functools.partial(_unfused, activation=activation, stacked=stacked), tuple(primals), tangents)
+    return jax.jvp(functools.partial(_unfused, activation=activation), tuple(primals), tangents)
 
 
 _lower_unfused = mlir.lower_fun(_unfused, multiple_results=False)
 
-moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation", "stacked")))
+moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation",)))
 moe_mlp_decode_p.def_abstract_eval(_abstract)
 mlir.register_lowering(moe_mlp_decode_p, _lower_unfused)
 batching.primitive_batchers[moe_mlp_decode_p] = _batch

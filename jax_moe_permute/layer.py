@@ -154,7 +154,7 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation,
     if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
         local = ids if expert_map is None else _local_ids(ids, expert_map)
         return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer)
-    w_in_layer, w_out_layer = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
+    w_in_layer, w_out_layer = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
     if _gathers(x, ids, w_in_layer, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
@@ -219,9 +219,7 @@ def _live(t):
 def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tangents):
     x, weights, ids, w_in, w_out, expert_map, layer = primals
     dx, dweights, _, dw_in, dw_out, _, _ = (t if _live(t) else None for t in tangents)
-    w_in, w_out = decode_mlp.layer_weights(w_in, layer), decode_mlp.layer_weights(w_out, layer)
-    dw_in = None if dw_in is None else decode_mlp.layer_weights(dw_in, layer)
-    dw_out = None if dw_out is None else decode_mlp.layer_weights(dw_out, layer)
+    w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
     if _gathers(x, ids, w_in, activation):  # the rows gathered and the activation applied in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)

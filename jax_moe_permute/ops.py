@@ -68,6 +68,12 @@ def check_layer(layer, stacks, where: str):
     return layer.astype(jnp.int32)
 
 
+def layer_weights(w, layer):
+    """w[layer] of a stack over a model's layers, as the kernels read it (negative from the end,
+    then clamped: lax.dynamic_index_in_dim); w itself without a layer, None for None."""
+    return w if w is None or layer is None else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+
+
 def moe_permute(
     hidden: jax.Array,
     topk_ids: jax.Array,

@@ -34,6 +34,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _native, gemm_primitives, reference
 from ._compat import lowers_for_many_devices, pvary_to_match, require_devices_at_lowering, shaped_like
 from .lowering import _batch_partitioned
+from .ops import layer_weights
 
 # The kernels hold a token's E scores in registers / on the stack (kRouterMaxExperts in
 # cpp/kernel_args.h); route keeps the jnp math for more experts.
@@ -327,9 +328,8 @@ router_hidden_stacked_p.def_impl(jax.jit(router_hidden_stacked_p.bind, static_ar
 
 def _layer_router(router, bias, layer, has_bias):
     """The layer's router [H, E] and its bias as moe_router_hidden takes it ([1, E] or the placeholder)."""
-    router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
     bias = jax.lax.dynamic_slice_in_dim(bias, layer, 1, 0) if has_bias else bias
-    return router, bias
+    return layer_weights(router, layer), bias
 
 
 def _stacked_abstract(x, router, bias, layer, **params):
@@ -364,12 +364,11 @@ def _stacked_jvp(primals, tangents, **params):
     x, router, bias, layer = primals
     d_x, d_router = tangents[:2]
     if type(d_router) is not ad.Zero:
-        d_router = jax.lax.dynamic_index_in_dim(d_router, layer, 0, keepdims=False)
+        d_router = layer_weights(d_router, layer)
     else:
         d_router = ad.Zero(core.ShapedArray(router.shape[1:], router.dtype))
     outs = router_hidden_stacked_p.bind(x, router, bias, layer, **params)
-    layer_router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
-    return outs, _hidden_tangents(x, layer_router, outs, d_x, d_router, **params)
+    return outs, _hidden_tangents(x, layer_weights(router, layer), outs, d_x, d_router, **params)
 
 
 _lower_stacked_composition = mlir.lower_fun(_stacked_composition, multiple_results=True)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference, router_kernel
-from .ops import check_layer, static_int
+from .ops import check_layer, layer_weights, static_int
 from .token_rounding import TokenRounding, check_token_rounding, round_routing
 
 SCORINGS = ("softmax", "sigmoid")
@@ -205,8 +205,7 @@ def route_tokens(
                          f"got {getattr(bias, 'shape', type(bias))}")
     if not router_kernel.hidden_applies(x.shape, x.dtype, E):
         if layer is not None:  # the layer's router in a jnp product: no custom call to slice for
-            router = jax.lax.dynamic_index_in_dim(router, layer, 0, keepdims=False)
-            bias = None if bias is None else jax.lax.dynamic_index_in_dim(bias, layer, 0, keepdims=False)
+            router, bias = layer_weights(router, layer), layer_weights(bias, layer)
         return route(router_kernel.router_logits(x, router), top_k, scoring=scoring, renormalize=renormalize,
                      bias=bias, num_groups=num_groups, topk_groups=topk_groups,
                      routed_scaling_factor=routed_scaling_factor, token_rounding=token_rounding)
