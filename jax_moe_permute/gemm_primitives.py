@@ -172,10 +172,25 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
     return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))
 
 
+def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
+    """Static choice of the weight gradient's kernel: our persistent one (cpp/gemm/grouped_wgrad.cu;
+    graph-safe, stores overlapping the next tile's MMA) or CUTLASS's. MOE_GROUPED_GEMM_DW_KERNEL,
+    read when the call is lowered, forces "persistent" or "cutlass"; CUTLASS by default until the
+    persistent kernel is measured faster."""
+    if batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
+        return False
+    if not _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups):
+        return False
+    return os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass") == "persistent"
+
+
 def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, precision):
     out = ctx.avals_out[0]
     if not _kernel_fits(ctx.avals_in, out, out.shape[2], out.shape[3]):
         return _lower_ref_ragged_dot_wgrad(ctx, lhs, rhs, group_sizes, out_dtype=out_dtype, precision=precision)
+    batch, groups, k, n = out.shape
+    if use_own_wgrad_kernel(batch, ctx.avals_in[0].shape[1], k, n, groups):
+        return jax.ffi.ffi_lowering(_native.target("ragged_dot_wgrad_sm90"))(ctx, lhs, rhs, group_sizes)
     return _ffi_call(ctx, "ragged_dot_weight_grad", _LAYOUT_WEIGHT_GRAD, (lhs, rhs, group_sizes))
 
 

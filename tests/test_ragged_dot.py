@@ -306,6 +306,35 @@ def test_kernels_every_tile(tile, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("G,M,K,N", [(8, 2048, 256, 512), (64, 1000, 128, 320), (256, 37, 64, 128),
+                                     (24, 700, 192, 64), (3, 300, 2048, 1536)])
+def test_own_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
+    """The persistent weight-gradient kernel (MOE_GROUPED_GEMM_DW_KERNEL=persistent, read when the
+    call is lowered) against the float32 reference on every edge of the group sizes (K and N not
+    multiples of its 128 x 256 tile, a group's rows not a multiple of its 64-row step), bitwise
+    reproducible, and a NaN in one group's rows stays out of every other group's gradient."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
+    lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
+    f32 = lambda x: x.astype(jnp.float32)
+    d_rhs_of = jax.jit(lambda a, c, sizes: jax.vjp(lambda b: jmp.ragged_dot(a, b, sizes), rhs)[1](c)[0])
+    assert "@jax_moe_permute.ragged_dot_wgrad_sm90(" in d_rhs_of.lower(lhs, cot, random_sizes(G, M)).as_text()
+    for name, sizes in edge_cases(M, G):
+        d_rhs = d_rhs_of(lhs, cot, sizes)
+        r_rhs = jax.vjp(lambda b: ref_ragged_dot(f32(lhs), b, sizes), f32(rhs))[1](f32(cot))[0]
+        assert d_rhs.dtype == jnp.dtype(dtype)
+        assert_matches(d_rhs, r_rhs, dtype)
+        if name != "sum_above_m":
+            assert np.all(np.asarray(d_rhs, np.float32)[np.asarray(sizes) == 0] == 0), name
+        np.testing.assert_array_equal(np.asarray(d_rhs_of(lhs, cot, sizes), np.float32), np.asarray(d_rhs, np.float32))
+    sizes = np.full(G, M // G, np.int32)
+    if G > 1 and sizes[0] > 1:
+        poisoned = cot.at[sizes[0]].set(jnp.nan)  # the first row of group 1
+        d_rhs = np.asarray(d_rhs_of(lhs, poisoned, jnp.asarray(sizes)), np.float32)
+        assert np.isnan(d_rhs[1]).any() and np.isfinite(np.delete(d_rhs, 1, axis=0)).all()
+
+
+@needs_gpu
 def test_kernels_run_order(monkeypatch):
     """The run tile order (MOE_GROUPED_GEMM_RUN / MOE_GROUPED_GEMM_DW_RUN, read at every call) on
     the 128 x 256 tile: the same tiles in another order, so bitwise CUTLASS's strided order (run

@@ -1,0 +1,59 @@
+"""The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel against CUTLASS's
+ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
+(GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and writing
+its G x K x N output at the copy bandwidth.
+
+    python benchmarks/micro/wgrad_ab.py [OUT.txt] [PROBLEMS, e.g. qwen3_w13,qwen3_w2] [KINDS, e.g. uniform,routed4096]
+"""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+import jax_moe_permute as jmp
+from jax_moe_permute.bench_gemm import PROBLEMS, problem_inputs
+from jax_moe_permute.bench_timing import copy_ceiling_tbps
+
+LOG = open(sys.argv[1], "a") if len(sys.argv) > 1 and sys.argv[1] != "-" else sys.stdout
+NAMES = sys.argv[2].split(",") if len(sys.argv) > 2 else ["qwen3_w13", "qwen3_w2", "deepseek_w13", "deepseek_w2",
+                                                          "mixtral_w13"]
+KINDS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["uniform", "routed4096"]
+
+
+def med(f, *a):
+    _, ms = profiler.measure(f, iterations=10)(*a)
+    return float(np.median(ms)) * 1e3
+
+
+def wgrad_fn(kernel, sizes):
+    """A fresh jitted d rhs (the kernel is chosen when the call is lowered)."""
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel  # stays set while this kernel is timed
+    return jax.jit(lambda lhs, rhs, ct: jax.vjp(lambda b: jmp.ragged_dot(lhs, b, sizes), rhs)[1](ct)[0])
+
+
+copy_tbps = copy_ceiling_tbps()
+print(f"copy ceiling {copy_tbps:.2f} TB/s", file=LOG, flush=True)
+for name in NAMES:
+    for kind in KINDS:
+        sizes, lhs, rhs, ct = problem_inputs(name, kind)
+        G, (M, K), N = len(sizes), lhs.shape, ct.shape[1]
+        flop = 2.0 * M * K * N
+        sizes = jnp.asarray(sizes)
+        t_dense = med(jax.jit(lambda a, b: jnp.dot(a.T, b)), lhs, ct)
+        results, times = {}, {}
+        for kernel in ("cutlass", "persistent"):
+            f = wgrad_fn(kernel, sizes)
+            results[kernel] = np.asarray(f(lhs, rhs, ct), np.float32)
+            times[kernel] = med(f, lhs, rhs, ct)
+        a, b = results["persistent"], results["cutlass"]
+        diff = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        write_us = G * K * N * 2 / (copy_tbps * 1e6)
+        bound = max(t_dense, write_us)
+        tc, tp = times["cutlass"], times["persistent"]
+        print(f"{name} {kind} (G {G}, M {M}, K {K}, N {N}): dW cutlass {tc:.1f} us ({flop / tc / 1e6:.0f} TFLOP/s), "
+              f"persistent {tp:.1f} us ({flop / tp / 1e6:.0f} TFLOP/s, x{tc / tp:.2f}); dense {t_dense:.1f} us "
+              f"({flop / t_dense / 1e6:.0f} TFLOP/s); write {write_us:.1f} us; persistent/bound {tp / bound:.2f}; "
+              f"max rel diff {diff:.1e}", file=LOG, flush=True)

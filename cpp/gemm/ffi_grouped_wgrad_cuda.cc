@@ -1,0 +1,59 @@
+// XLA FFI handler of the grouped weight gradient on our own kernel (grouped_wgrad.cu): check the
+// buffers, fill GroupedWgradArgs, launch on XLA's stream.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi_grouped_gemm.h"
+#include "grouped_wgrad.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace moe::gemm {
+namespace {
+
+namespace ffi = xla::ffi;
+using I32Buffer = ffi::Buffer<ffi::S32>;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_moe_permute: ragged_dot weight grad (sm90): " + what);
+}
+
+// out [1, G, K, N]: out[0, g] = lhs[0, rows of g]ᵀ · rhs[0, rows of g].
+ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, I32Buffer sizes,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out->dimensions();
+  if (ld.size() != 3 || rd.size() != 3 || sd.size() != 2 || od.size() != 4)
+    return invalid("expected lhs [1, M, K], rhs [1, M, N], group_sizes [1, G], out [1, G, K, N]");
+  const ffi::DataType t = lhs.element_type();
+  if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || rhs.element_type() != t || out->element_type() != t)
+    return invalid("lhs, rhs and out must all be bfloat16 or all float16");
+  GroupedWgradArgs a;
+  a.rows = ld[1], a.k = ld[2], a.n = rd[2], a.groups = sd[1];
+  if (ld[0] != 1 || rd[0] != 1 || sd[0] != 1 || od[0] != 1) return invalid("the batch extent must be 1");
+  if (rd[1] != a.rows || od[1] != a.groups || od[2] != a.k || od[3] != a.n)
+    return invalid("operand shapes do not agree");
+  if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups))
+    return invalid("shapes outside the kernel's range (K, N multiples of 64, 1 <= G <= 1024; see grouped_wgrad_fits)");
+  a.lhs = lhs.untyped_data(), a.rhs = rhs.untyped_data(), a.group_sizes = sizes.typed_data();
+  a.out = out->untyped_data();
+  const Dtype dtype = t == ffi::DataType::BF16 ? Dtype::kBf16 : Dtype::kF16;
+  if (cudaError_t err = grouped_wgrad(dtype, a, stream); err != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot weight grad (sm90): ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe::gemm
+
+// Graph-safe: one kernel whose grid and parameters depend on the shapes and buffer addresses only;
+// the groups are read on the device; no host copy, allocation or synchronization.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedWgradCuda, moe::gemm::GroupedWgrad,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<moe::gemm::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // lhs [1, M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()   // rhs [1, M, N]
+                                  .Arg<moe::gemm::I32Buffer>()  // group_sizes [1, G]
+                                  .Ret<xla::ffi::AnyBuffer>(),  // out [1, G, K, N]
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,295 @@
+// The grouped weight gradient on sm90a: out[g] = lhs[rows of g]ᵀ · rhs[rows of g] in one persistent
+// warp-specialized kernel.
+//
+// Why not CUTLASS's ptr-array kernel: it rewrites its output's TMA descriptor for every group and
+// first waits for the previous tile's stores to drain, and with a few hundred rows per group
+// (Qwen3-30B-A3B at T = 4096) every SM's next tile belongs to another group, so the stores of one
+// tile never overlap the MMA of the next (BENCHMARKS.md, "What bounds the misses"). Here the
+// epilogue stores straight from registers (16-byte stores after a transpose within each quad of
+// lanes) and the consumers go on to the next tile, whose first stages the producer has already
+// loaded: the stores drain under the next tile's MMA.
+//
+// 384 threads per block: warpgroup 0 produces (cp.async of each 64-row k-block of both operands,
+// 8 threads per 128-byte row slice, zero-filled past the group's end so that nothing of the next
+// group, not even a NaN, enters the product), warpgroups 1-2 consume (wgmma m64n256k16, both
+// operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
+// out[g], 64 rows per stage, 4 stages. Tiles run group by group (the blocks running at once share
+// one group's rows in L2); a group without rows stores its zero tiles, so no zero-fill launch.
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_check.h"
+#include "grouped_wgrad.h"
+#include "sm90_ptx.cuh"
+
+namespace moe::gemm {
+namespace {
+
+using namespace sm90;
+
+constexpr int kThreads = 384;
+constexpr int kTileK = 128;    // rows of out[g] per tile (columns of lhs)
+constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs)
+constexpr int kStepRows = 64;  // rows of lhs and rhs reduced per stage
+constexpr int kStages = 4;
+constexpr int kMaxGroups = 1024;
+constexpr int kBox = 64;                               // elements per 128-byte swizzle row
+constexpr int kBoxBytes = kBox * kStepRows * 2;        // 8 KiB: 64 columns x 64 rows
+constexpr int kStageABytes = kTileK * kStepRows * 2;   // 16 KiB: 2 boxes
+constexpr int kStageBBytes = kTileN * kStepRows * 2;   // 32 KiB: 4 boxes
+constexpr int kBOffset = kStages * kStageABytes;
+constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
+constexpr int kGroupStartOffset = kBarrierOffset + 2 * kStages * 8;
+constexpr int kGroupEndOffset = kGroupStartOffset + kMaxGroups * 4;
+constexpr int kSmemBytes = kGroupEndOffset + kMaxGroups * 4 + 1024;  // + slack to align to 1024
+constexpr int kConsumerWarps = 8;
+constexpr int kFullArrivals = 128;  // one cp.async arrival per producer thread
+
+struct Params {
+  const void* lhs;
+  const void* rhs;
+  const int32_t* group_sizes;
+  void* out;
+  int64_t rows, k, n, groups;
+};
+
+template <class T>
+struct GmmaOp;
+template <>
+struct GmmaOp<__nv_bfloat16> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
+};
+template <>
+struct GmmaOp<__half> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
+};
+
+// Warp 0: each group's first and end row, clamped to M, into shared memory.
+__device__ void scan_groups(const Params& p, int32_t* group_start, int32_t* group_end) {
+  const int lane = threadIdx.x & 31;
+  int64_t rows_before = 0;
+  for (int base = 0; base < p.groups; base += 32) {
+    const int g = base + lane;
+    const int64_t size = g < p.groups ? max(p.group_sizes[g], 0) : 0;
+    const int64_t rows_incl = warp_inclusive_sum(size, lane) + rows_before;
+    if (g < p.groups) {
+      group_start[g] = int32_t(min(rows_incl - size, p.rows));
+      group_end[g] = int32_t(min(rows_incl, p.rows));
+    }
+    rows_before = __shfl_sync(0xffffffffu, rows_incl, 31);
+  }
+}
+
+struct Tile {
+  int group, k0, n0;  // out[group][k0 : k0 + 128, n0 : n0 + 256]
+  int row0, row_end;  // the group's rows
+  int steps;          // 64-row stages
+};
+
+__device__ __forceinline__ Tile decode_tile(int tile, int k_tiles, int n_tiles, const int32_t* group_start,
+                                            const int32_t* group_end) {
+  const int per_group = k_tiles * n_tiles;
+  Tile t;
+  t.group = tile / per_group;
+  const int in_group = tile - t.group * per_group;
+  t.k0 = (in_group % k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
+  t.n0 = (in_group / k_tiles) * kTileN;
+  t.row0 = group_start[t.group];
+  t.row_end = group_end[t.group];
+  t.steps = (t.row_end - t.row0 + kStepRows - 1) / kStepRows;
+  return t;
+}
+
+// Lane l of a quad holds v[j] = columns 8 (4 m + j) + 2 l, +1 of one row, j < 4. Afterwards it
+// holds all 8 columns of column group 4 m + l: one 16-byte store. Round r sends v[(l - r) % 4] to
+// lane l - r and receives from lane l + r.
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int l) {
+  uint32_t w[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int send = (l - r) & 3, from = (l + r) & 3;
+    const uint32_t out = send == 0 ? v[0] : send == 1 ? v[1] : send == 2 ? v[2] : v[3];
+    const uint32_t in = r == 0 ? out : __shfl_sync(0xffffffffu, out, (threadIdx.x & ~3) | from);
+    // `in` is lane from's pair for column group 4 m + l, columns 8 (4 m + l) + 2 from, +1
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      if (s == from) w[s] = in;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// wgmma m64n256 accumulator of thread (warp wi, lane l): value i at row 16 wi + l / 4 + 8 ((i / 2) % 2),
+// column 8 (i / 4) + 2 (l % 4) + i % 2.
+template <class T>
+__device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
+  const int l = threadIdx.x & 3;
+  const int64_t kw = t.k0 + row_in_tile;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
+  if (kw >= p.k) return;
+  T* out = static_cast<T*>(p.out) + (int64_t(t.group) * p.k + kw) * p.n + t.n0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {  // column groups 4 m .. 4 m + 3: columns [32 m, 32 m + 32)
+      uint32_t v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = 4 * (4 * m + j) + 2 * half;
+        v[j] = pack2<T>(acc[i], acc[i + 1]);
+      }
+      const uint4 w = quad_transpose(v, l);
+      const int col = 32 * m + 8 * l;
+      if (t.n0 + col < p.n)  // p.n % 64 == 0: whole 64-column boxes are in or out
+        *reinterpret_cast<uint4*>(out + int64_t(8 * half) * p.n + col) = w;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle repeats every 1024 bytes of address: align the stages to it.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t full_bar = smem_base + kBarrierOffset;                 // + 8 * stage
+  const uint32_t empty_bar = smem_base + kBarrierOffset + 8 * kStages;  // + 8 * stage
+  int32_t* group_start = reinterpret_cast<int32_t*>(smem + kGroupStartOffset);
+  int32_t* group_end = reinterpret_cast<int32_t*>(smem + kGroupEndOffset);
+
+  if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
+  if (threadIdx.x == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, kFullArrivals);
+      mbar_init(empty_bar + 8 * s, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int k_tiles = int((p.k + kTileK - 1) / kTileK), n_tiles = int((p.n + kTileN - 1) / kTileN);
+  const int tiles = int(p.groups) * k_tiles * n_tiles;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // 56 x 128 + 224 x 256 = 168 x 384
+    // Thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column box.
+    // Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16): the 128-byte swizzle of the
+    // MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
+    const int t = threadIdx.x;
+    const int chunk = t & 7, row_sub = t >> 3;
+    const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
+    const T* lhs = static_cast<const T*>(p.lhs);
+    const T* rhs = static_cast<const T*>(p.rhs);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, k_tiles, n_tiles, group_start, group_end);
+      for (int step = 0; step < tl.steps; ++step) {
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t a_stage = smem_base + stage * kStageABytes + box_offset;
+        const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes + box_offset;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = tl.row0 + step * kStepRows + row_sub + 16 * j;
+          const bool in = row < tl.row_end;
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {  // columns past K are zero-filled (their rows of out are not stored)
+            const int64_t col = tl.k0 + b * kBox + chunk * 8;
+            const bool ok = in && col < p.k;
+            cp_async_16_zfill(a_stage + b * kBoxBytes + j * (16 * 128), ok ? lhs + int64_t(row) * p.k + col : lhs,
+                              ok ? 16 : 0);
+          }
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const int64_t col = tl.n0 + b * kBox + chunk * 8;
+            const bool ok = in && col < p.n;
+            cp_async_16_zfill(b_stage + b * kBoxBytes + j * (16 * 128), ok ? rhs + int64_t(row) * p.n + col : rhs,
+                              ok ? 16 : 0);
+          }
+        }
+        cp_async_arrive_noinc(full_bar + 8 * stage);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    using Op = typename GmmaOp<T>::type;
+    const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
+    const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
+    float acc[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, k_tiles, n_tiles, group_start, group_end);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      int prev_stage = -1;
+      for (int step = 0; step < tl.steps; ++step) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        // cp.async wrote through the generic proxy; wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * kBoxBytes;
+        const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
+        fence_accumulators(acc);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int k = 0; k < kStepRows / 16; ++k) {
+          // Both MN-major: +16 rows = 2048 bytes per k16; 64-column boxes 8192 bytes apart
+          // (leading), 8-row groups 1024 bytes apart (stride). A's 64 rows of out are one box.
+          const uint64_t desc_a = gmma_desc(a_addr + k * 2048, kBoxBytes, 1024);
+          const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
+          gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();  // the previous step's wgmma are done: release its stage
+        fence_accumulators(acc);
+        if (prev_stage >= 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+        }
+        prev_stage = stage;
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc);
+      if (prev_stage >= 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
+      }
+      store_tile<T>(p, tl, row_in_tile, acc);
+    }
+  }
+}
+
+template <class T>
+cudaError_t launch(const GroupedWgradArgs& a, cudaStream_t stream) {
+  Params p;
+  p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
+  p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;
+  const int64_t tiles = a.groups * ((a.k + kTileK - 1) / kTileK) * ((a.n + kTileN - 1) / kTileN);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
+  auto kernel = grouped_wgrad_kernel<T>;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p);
+  MOE_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups) {
+  constexpr int64_t kInt32Limit = (int64_t(1) << 31) - kStepRows;  // row indices are int32, a step past the end
+  if (k <= 0 || n <= 0 || k % kBox != 0 || n % kBox != 0) return false;
+  if (groups < 1 || groups > kMaxGroups || rows < 0 || rows >= kInt32Limit) return false;
+  return groups * ((k + kTileK - 1) / kTileK) * ((n + kTileN - 1) / kTileN) < kInt32Limit;
+}
+
+cudaError_t grouped_wgrad(Dtype dtype, const GroupedWgradArgs& a, cudaStream_t stream) {
+  if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups)) return cudaErrorInvalidValue;
+  return dtype == Dtype::kBf16 ? launch<__nv_bfloat16>(a, stream) : launch<__half>(a, stream);
+}
+
+}  // namespace moe::gemm
