@@ -147,7 +147,9 @@ def test_routing_rows_tokens():
 # ---- the kernel on the GPU --------------------------------------------------------------
 
 def lowered_text(f, *args):
-    return jax.jit(f).lower(*args).as_text()
+    # A fresh function each time: jit caches its trace per function, and the branch (read from the
+    # environment) is chosen while tracing.
+    return jax.jit(lambda *a: f(*a)).lower(*args).as_text()
 
 
 GPU_SIZES = [

@@ -57,3 +57,31 @@ for name in NAMES:
               f"persistent {tp:.1f} us ({flop / tp / 1e6:.0f} TFLOP/s, x{tc / tp:.2f}); dense {t_dense:.1f} us "
               f"({flop / t_dense / 1e6:.0f} TFLOP/s); write {write_us:.1f} us; persistent/bound {tp / bound:.2f}; "
               f"max rel diff {diff:.1e}", file=LOG, flush=True)
+
+# The layer: jit(grad) of moe_mlp (x, gates, both weights) with each kernel, Qwen3 at T = 4096.
+if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
+    from jax_moe_permute import layer, routing
+    from jax_moe_permute.bench_layer import MODELS
+
+    for model in ("qwen3",):
+        E, K, H, F = MODELS[model]
+        T = 4096
+        ks = jax.random.split(jax.random.key(1), 5)
+        x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
+        w_in = (jax.random.normal(ks[1], (E, H, 2 * F), jnp.float32) * H ** -0.5).astype(jnp.bfloat16)
+        w_out = (jax.random.normal(ks[2], (E, F, H), jnp.float32) * F ** -0.5).astype(jnp.bfloat16)
+        r = routing.route(jax.random.normal(ks[3], (T, E), jnp.float32), K)
+        ct = jax.random.normal(ks[4], (T, H), jnp.float32)
+        times, grads = {}, {}
+        for kernel in ("cutlass", "persistent"):
+            os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel
+            loss = lambda x, w, wi, wo: jnp.vdot(layer.moe_mlp(x, w, r.ids, wi, wo).astype(jnp.float32), ct)
+            g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            grads[kernel] = g(x, r.weights, w_in, w_out)
+            times[kernel] = med(g, x, r.weights, w_in, w_out)
+        diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                         jnp.max(jnp.abs(b.astype(jnp.float32))))
+                   for a, b in zip(grads["persistent"], grads["cutlass"]))
+        print(f"{model} T={T} layer jit(grad): cutlass dW {times['cutlass']:.0f} us, persistent dW "
+              f"{times['persistent']:.0f} us (x{times['cutlass'] / times['persistent']:.3f}); max rel diff {diff:.1e}",
+              file=LOG, flush=True)

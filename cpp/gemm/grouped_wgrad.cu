@@ -9,12 +9,14 @@
 // lanes) and the consumers go on to the next tile, whose first stages the producer has already
 // loaded: the stores drain under the next tile's MMA.
 //
-// 384 threads per block: warpgroup 0 produces (cp.async of each 64-row k-block of both operands,
-// 8 threads per 128-byte row slice, zero-filled past the group's end so that nothing of the next
-// group, not even a NaN, enters the product), warpgroups 1-2 consume (wgmma m64n256k16, both
+// 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
-// out[g], 64 rows per stage, 4 stages. Tiles run group by group (the blocks running at once share
-// one group's rows in L2); a group without rows stores its zero tiles, so no zero-fill launch.
+// out[g], 64 rows per stage, 4 stages. A stage of 64 rows inside the group is loaded by TMA (one
+// thread, 2 + 4 boxes); a group's last, partial stage by cp.async from all 128 producer threads,
+// zero-filled past the group's end so that nothing of the next group, not even a NaN, enters the
+// product (a TMA box would read the next group's rows). Tiles run group by group (the blocks
+// running at once share one group's rows in L2); a group without rows stores its zero tiles, so
+// there is no zero-fill launch.
 #include <algorithm>
 #include <cstdint>
 
@@ -43,7 +45,7 @@ constexpr int kGroupStartOffset = kBarrierOffset + 2 * kStages * 8;
 constexpr int kGroupEndOffset = kGroupStartOffset + kMaxGroups * 4;
 constexpr int kSmemBytes = kGroupEndOffset + kMaxGroups * 4 + 1024;  // + slack to align to 1024
 constexpr int kConsumerWarps = 8;
-constexpr int kFullArrivals = 128;  // one cp.async arrival per producer thread
+constexpr int kFullArrivals = 128 + 1;  // one per producer thread (cp.async or plain) + thread 0's TMA / extra arrival
 
 struct Params {
   const void* lhs;
@@ -145,7 +147,8 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
+                                                                     const __grid_constant__ CUtensorMap rhs_map) {
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzle repeats every 1024 bytes of address: align the stages to it.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -162,6 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
       mbar_init(empty_bar + 8 * s, kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
   }
   __syncthreads();
 
@@ -172,9 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // 56 x 128 + 224 x 256 = 168 x 384
-    // Thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column box.
-    // Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16): the 128-byte swizzle of the
-    // MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
+    // cp.async: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column
+    // box. Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16), as TMA's 128-byte swizzle
+    // puts it: the MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
     const int t = threadIdx.x;
     const int chunk = t & 7, row_sub = t >> 3;
     const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
@@ -186,28 +190,44 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
       const Tile tl = decode_tile(tile, k_tiles, n_tiles, group_start, group_end);
       for (int step = 0; step < tl.steps; ++step) {
         mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t a_stage = smem_base + stage * kStageABytes + box_offset;
-        const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes + box_offset;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int row = tl.row0 + step * kStepRows + row_sub + 16 * j;
-          const bool in = row < tl.row_end;
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {  // columns past K are zero-filled (their rows of out are not stored)
-            const int64_t col = tl.k0 + b * kBox + chunk * 8;
-            const bool ok = in && col < p.k;
-            cp_async_16_zfill(a_stage + b * kBoxBytes + j * (16 * 128), ok ? lhs + int64_t(row) * p.k + col : lhs,
-                              ok ? 16 : 0);
+        const uint32_t full = full_bar + 8 * stage;
+        const int step_row = tl.row0 + step * kStepRows;
+        if (tl.row_end - step_row >= kStepRows) {  // 64 rows of the group: TMA
+          if (t == 0) {
+            // K, N % 64 == 0: boxes are whole; those past K or N are not loaded (their rows or
+            // columns of out are not stored).
+            const int a_boxes = int(min(int64_t(2), (p.k - tl.k0) / kBox)), b_boxes = int(min(int64_t(4), (p.n - tl.n0) / kBox));
+            mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
+            const uint32_t a_stage = smem_base + stage * kStageABytes, b_stage = smem_base + kBOffset + stage * kStageBBytes;
+            for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
+            for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
           }
+          mbar_arrive(full);
+        } else {  // the group's partial last stage: cp.async, zero-filled past its end
+          const uint32_t a_stage = smem_base + stage * kStageABytes + box_offset;
+          const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes + box_offset;
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const int64_t col = tl.n0 + b * kBox + chunk * 8;
-            const bool ok = in && col < p.n;
-            cp_async_16_zfill(b_stage + b * kBoxBytes + j * (16 * 128), ok ? rhs + int64_t(row) * p.n + col : rhs,
-                              ok ? 16 : 0);
+          for (int j = 0; j < 4; ++j) {
+            const int row = step_row + row_sub + 16 * j;
+            const bool in = row < tl.row_end;
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              const int64_t col = tl.k0 + b * kBox + chunk * 8;
+              const bool ok = in && col < p.k;
+              cp_async_16_zfill(a_stage + b * kBoxBytes + j * (16 * 128), ok ? lhs + int64_t(row) * p.k + col : lhs,
+                                ok ? 16 : 0);
+            }
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const int64_t col = tl.n0 + b * kBox + chunk * 8;
+              const bool ok = in && col < p.n;
+              cp_async_16_zfill(b_stage + b * kBoxBytes + j * (16 * 128), ok ? rhs + int64_t(row) * p.n + col : rhs,
+                                ok ? 16 : 0);
+            }
           }
+          cp_async_arrive_noinc(full);
+          if (t == 0) mbar_arrive(full);
         }
-        cp_async_arrive_noinc(full_bar + 8 * stage);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -264,8 +284,27 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
   }
 }
 
+// a [rows, cols] row-major as a 2-D tensor (innermost first), boxes of 64 columns x 64 rows,
+// 128-byte swizzle (the MN-major layout wgmma reads).
+cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMapDataType type, CUtensorMap* map) {
+  EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(std::max<int64_t>(rows, 1))};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};  // bytes, dim 1
+  const cuuint32_t box[2] = {kBox, kStepRows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(map, type, 2, const_cast<void*>(a), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <class T>
-cudaError_t launch(const GroupedWgradArgs& a, cudaStream_t stream) {
+cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
+  CUtensorMap lhs_map, rhs_map;
+  // Without rows nothing is loaded; the maps then point at out (any valid address) for one row.
+  MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.lhs : a.out, a.rows, a.k, type, &lhs_map));
+  MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.rhs : a.out, a.rows, a.n, type, &rhs_map));
   Params p;
   p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;
@@ -273,7 +312,7 @@ cudaError_t launch(const GroupedWgradArgs& a, cudaStream_t stream) {
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
   auto kernel = grouped_wgrad_kernel<T>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p);
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, lhs_map, rhs_map);
   MOE_CHECK_LAUNCH();
   return cudaSuccess;
 }
@@ -289,7 +328,8 @@ bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups) {
 
 cudaError_t grouped_wgrad(Dtype dtype, const GroupedWgradArgs& a, cudaStream_t stream) {
   if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups)) return cudaErrorInvalidValue;
-  return dtype == Dtype::kBf16 ? launch<__nv_bfloat16>(a, stream) : launch<__half>(a, stream);
+  return dtype == Dtype::kBf16 ? launch<__nv_bfloat16>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
+                               : launch<__half>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
 }
 
 }  // namespace moe::gemm

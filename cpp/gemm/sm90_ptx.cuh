@@ -62,6 +62,13 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
 // wgmma smem descriptor, 128-byte swizzle; offsets in bytes.
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
   uint64_t d = 0;
