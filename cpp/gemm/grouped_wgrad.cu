@@ -146,6 +146,24 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
   }
 }
 
+// cp.async of BOXES 64-column boxes of rows [row0, row0 + 64) of a [rows, cols] array from column
+// col0 into a stage (dst: the stage plus this thread's box_offset): chunk `chunk` of rows row_sub + 16 j.
+// Rows from row_end on and columns from cols on are zero-filled.
+template <int BOXES, class T>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t cols, int col0, int row0, int row_end,
+                                          int row_sub, int chunk) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = row0 + row_sub + 16 * j;
+#pragma unroll
+    for (int b = 0; b < BOXES; ++b) {
+      const int64_t col = col0 + b * kBox + chunk * 8;
+      const bool ok = row < row_end && col < cols;
+      cp_async_16_zfill(dst + b * kBoxBytes + j * (16 * 128), ok ? src + int64_t(row) * cols + col : src, ok ? 16 : 0);
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                                                                      const __grid_constant__ CUtensorMap rhs_map) {
@@ -204,27 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
           }
           mbar_arrive(full);
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
-          const uint32_t a_stage = smem_base + stage * kStageABytes + box_offset;
-          const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes + box_offset;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int row = step_row + row_sub + 16 * j;
-            const bool in = row < tl.row_end;
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-              const int64_t col = tl.k0 + b * kBox + chunk * 8;
-              const bool ok = in && col < p.k;
-              cp_async_16_zfill(a_stage + b * kBoxBytes + j * (16 * 128), ok ? lhs + int64_t(row) * p.k + col : lhs,
-                                ok ? 16 : 0);
-            }
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              const int64_t col = tl.n0 + b * kBox + chunk * 8;
-              const bool ok = in && col < p.n;
-              cp_async_16_zfill(b_stage + b * kBoxBytes + j * (16 * 128), ok ? rhs + int64_t(row) * p.n + col : rhs,
-                                ok ? 16 : 0);
-            }
-          }
+          copy_rows<2>(smem_base + stage * kStageABytes + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
+          copy_rows<4>(smem_base + kBOffset + stage * kStageBBytes + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end,
+                       row_sub, chunk);
           cp_async_arrive_noinc(full);
           if (t == 0) mbar_arrive(full);
         }
