@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
-(every tile of grouped_gemm.TILES and the decode kernel unless some are named: racecheck is slow on these kernels)
+(every tile of grouped_gemm.TILES, the decode kernel and the weight-gradient variants dw:128x256d and
+dw:persistent unless some are named: racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -23,7 +24,12 @@ CASES = [  # (M, K, N, group sizes)
     (64, 136, 264, [64]),  # one group, partial tiles in K and N
     (5, 32, 16, [0, 2, 0, 0, 3, 0, 0, 0]),  # decode-like
     (0, 16, 8, [0, 0]),  # no rows
+    (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
 ]
+# The weight-gradient alternatives (docs/grouped-gemm.md): CUTLASS's tile with direct stores and
+# our persistent kernel, each on top of the default tiles.
+DW_VARIANTS = {"dw:128x256d": ("MOE_GROUPED_GEMM_DW_TILE", "128x256d"),
+               "dw:persistent": ("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")}
 
 
 def check(out, ref, dtype):
@@ -34,10 +40,17 @@ def check(out, ref, dtype):
 
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
-    for tile in sys.argv[1:] or TILES + (DECODE_TILE,):
-        os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call
-        if tile != DECODE_TILE:  # the decode kernel is the forward's only; dW keeps its rule
-            os.environ["MOE_GROUPED_GEMM_DW_TILE"] = tile
+    for tile in sys.argv[1:] or TILES + (DECODE_TILE,) + tuple(DW_VARIANTS):
+        for variable in ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL"):
+            os.environ.pop(variable, None)
+        if tile in DW_VARIANTS:
+            variable, value = DW_VARIANTS[tile]
+            os.environ[variable] = value
+            jax.clear_caches()  # the dW kernel is chosen when a call is compiled
+        else:
+            os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call
+            if tile != DECODE_TILE:  # the decode kernel is the forward's only; dW keeps its rule
+                os.environ["MOE_GROUPED_GEMM_DW_TILE"] = tile
         run_cases(jax.random.PRNGKey(0))
     print("SANITIZE GEMM CASES DONE")
 
