@@ -32,7 +32,7 @@ set(_moe_gemm_units cpp/gemm/grouped_gemm_setup.cu cpp/gemm/grouped_gemm_decode.
 foreach(_dtype Bf16 F16)
   foreach(_layout_tile IN ITEMS
           Forward:128x256 Forward:64x256 Forward:128x128 TransposedRhs:128x256 TransposedRhs:64x256
-          TransposedRhs:128x128 WeightGrad:128x256 WeightGrad:64x256 WeightGrad:128x128 WeightGrad:128x256Direct)
+          TransposedRhs:128x128 WeightGrad:128x256 WeightGrad:64x256 WeightGrad:128x128)
     string(REPLACE ":" ";" _parts "${_layout_tile}")
     list(GET _parts 0 _layout)
     list(GET _parts 1 _tile)

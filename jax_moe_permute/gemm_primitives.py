@@ -173,10 +173,10 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
 
 
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
-    """Static choice of the weight gradient's kernel: our persistent one (cpp/gemm/grouped_wgrad.cu;
-    graph-safe, stores overlapping the next tile's MMA) or CUTLASS's. MOE_GROUPED_GEMM_DW_KERNEL,
-    read when the call is lowered, forces "persistent" or "cutlass"; CUTLASS by default until the
-    persistent kernel is measured faster."""
+    """Static choice of the weight gradient's kernel: CUTLASS's (the default) or, with
+    MOE_GROUPED_GEMM_DW_KERNEL=persistent read when the call is lowered, our persistent one
+    (cpp/gemm/grouped_wgrad.cu; graph-safe, bit-identical output, but 0.68-0.76x CUTLASS's rate on
+    the H200: docs/design-notes.md, "Grouped GEMM tiles", item 8)."""
     if batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
     if not _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups):

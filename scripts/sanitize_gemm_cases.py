@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
-(every tile of grouped_gemm.TILES, the decode kernel and the weight-gradient variants dw:128x256d and
+(every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
 dw:persistent unless some are named: racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
@@ -26,10 +26,8 @@ CASES = [  # (M, K, N, group sizes)
     (0, 16, 8, [0, 0]),  # no rows
     (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
 ]
-# The weight-gradient alternatives (docs/grouped-gemm.md): CUTLASS's tile with direct stores and
-# our persistent kernel, each on top of the default tiles.
-DW_VARIANTS = {"dw:128x256d": ("MOE_GROUPED_GEMM_DW_TILE", "128x256d"),
-               "dw:persistent": ("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")}
+# The weight gradient's opt-in alternative (docs/grouped-gemm.md): our persistent kernel.
+DW_VARIANTS = {"dw:persistent": ("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")}
 
 
 def check(out, ref, dtype):

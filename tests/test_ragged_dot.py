@@ -306,26 +306,19 @@ def test_kernels_every_tile(tile, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel", ["persistent", "128x256d"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("G,M,K,N", [(8, 2048, 256, 512), (64, 1000, 128, 320), (256, 37, 64, 128),
                                      (24, 700, 192, 64), (3, 300, 2048, 1536)])
-def test_weight_grad_kernels(kernel, dtype, G, M, K, N, monkeypatch):
-    """The weight-gradient kernels beside CUTLASS's default tiles: our persistent kernel
-    (MOE_GROUPED_GEMM_DW_KERNEL=persistent, read when the call is lowered) and CUTLASS's 128 x 256
-    tile with direct stores (MOE_GROUPED_GEMM_DW_TILE=128x256d), against the float32 reference on
-    every edge of the group sizes (K and N not multiples of the tile, a group's rows not a multiple
-    of the 64-row step), bitwise reproducible, and a NaN in one group's rows stays out of every
-    other group's gradient."""
-    if kernel == "persistent":
-        monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
-    else:
-        monkeypatch.setenv("MOE_GROUPED_GEMM_DW_TILE", kernel)
+def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
+    """Our persistent weight-gradient kernel (MOE_GROUPED_GEMM_DW_KERNEL=persistent, read when the
+    call is lowered) against the float32 reference on every edge of the group sizes (K and N not
+    multiples of its 128 x 256 tile, a group's rows not a multiple of its 64-row stage), bitwise
+    reproducible, and a NaN in one group's rows stays out of every other group's gradient."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
     lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
     f32 = lambda x: x.astype(jnp.float32)
     d_rhs_of = jax.jit(lambda a, c, sizes: jax.vjp(lambda b: jmp.ragged_dot(a, b, sizes), rhs)[1](c)[0])
-    target = "ragged_dot_wgrad_sm90" if kernel == "persistent" else "ragged_dot_weight_grad"
-    assert f"@jax_moe_permute.{target}(" in d_rhs_of.lower(lhs, cot, random_sizes(G, M)).as_text()
+    assert "@jax_moe_permute.ragged_dot_wgrad_sm90(" in d_rhs_of.lower(lhs, cot, random_sizes(G, M)).as_text()
     for name, sizes in edge_cases(M, G):
         d_rhs = d_rhs_of(lhs, cot, sizes)
         r_rhs = jax.vjp(lambda b: ref_ragged_dot(f32(lhs), b, sizes), f32(rhs))[1](f32(cot))[0]

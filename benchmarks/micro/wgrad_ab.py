@@ -1,5 +1,5 @@
 """The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel against CUTLASS's
-ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
+ptr-array kernel (the default) and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
 (GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and writing
 its G x K x N output at the copy bandwidth.
 
@@ -28,17 +28,12 @@ def med(f, *a):
     return float(np.median(ms)) * 1e3
 
 
-KERNELS = ("cutlass", "cutlass-direct", "persistent")  # cutlass-direct: the 128 x 256 tile with direct stores
+KERNELS = ("cutlass", "persistent")
 
 
 def select(kernel):
-    """Our kernel is chosen when the call is lowered, CUTLASS's tile at every call: both stay set
-    while this kernel is timed."""
-    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = "persistent" if kernel == "persistent" else "cutlass"
-    if kernel == "cutlass-direct":
-        os.environ["MOE_GROUPED_GEMM_DW_TILE"] = "128x256d"
-    else:
-        os.environ.pop("MOE_GROUPED_GEMM_DW_TILE", None)
+    """The kernel is chosen when the call is lowered: the variable stays set while it is timed."""
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel
 
 
 def wgrad_fn(kernel, sizes):

@@ -30,8 +30,7 @@ std::optional<Dtype> gemm_dtype(ffi::DataType t) {
   return std::nullopt;
 }
 
-constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}, {Tile::k128x128, "128x128"},
-                                                       {Tile::k128x256Direct, "128x256d"}};
+constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}, {Tile::k128x128, "128x128"}};
 
 // The tile of one call. MOE_GROUPED_GEMM_TILE (e.g. "64x256") forces a tile of the row-grouped
 // GEMMs, MOE_GROUPED_GEMM_DW_TILE one of the weight gradient, to measure them; nullopt if the
@@ -43,7 +42,7 @@ std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
   if (const char* forced = std::getenv(variable); forced != nullptr && (layout == Layout::kWeightGrad ||
                                                                         std::string(forced) != "decode")) {
     for (auto [tile, name] : kTileNames)
-      if (std::string(forced) == name && (tile != Tile::k128x256Direct || layout == Layout::kWeightGrad)) return tile;
+      if (std::string(forced) == name) return tile;
     return std::nullopt;
   }
   // Measured on the H200 (docs/grouped-gemm.md). The weight gradient's output rows are the
@@ -64,7 +63,7 @@ int choose_run(Layout layout, Tile tile, const GroupedGemmArgs& a) {
   // Measured on the H200 (docs/design-notes.md, "Grouped GEMM tiles"): runs of 8 speed up the
   // weight gradient of short groups (Qwen3 w13 by 5%, w2 by 1-2%; DeepSeek-V3 unchanged).
   (void)a;
-  return layout == Layout::kWeightGrad && (tile == Tile::k128x256 || tile == Tile::k128x256Direct) ? 8 : 1;
+  return layout == Layout::kWeightGrad && tile == Tile::k128x256 ? 8 : 1;
 }
 
 template <Dtype D, Layout L>
@@ -73,9 +72,6 @@ cudaError_t dispatch_tile(Tile tile, const GroupedGemmArgs& a, cudaStream_t stre
     case Tile::k128x256: return grouped_gemm<D, L, Tile::k128x256>(a, stream);
     case Tile::k64x256: return grouped_gemm<D, L, Tile::k64x256>(a, stream);
     case Tile::k128x128: return grouped_gemm<D, L, Tile::k128x128>(a, stream);
-    case Tile::k128x256Direct:
-      if constexpr (L == Layout::kWeightGrad) return grouped_gemm<D, L, Tile::k128x256Direct>(a, stream);
-      return cudaErrorInvalidValue;  // built for the weight gradient only
   }
   return cudaErrorInvalidValue;
 }
@@ -280,12 +276,9 @@ int64_t ragged_dot_workspace_bytes(int64_t layout, int64_t dtype, int64_t proble
     constexpr Dtype D = decltype(d)::value;
     auto most = [&](auto l) {
       constexpr Layout L = decltype(l)::value;
-      int64_t bytes = std::max({grouped_gemm_workspace_bytes<D, L, Tile::k128x256>(problems, batch),
-                                grouped_gemm_workspace_bytes<D, L, Tile::k64x256>(problems, batch),
-                                grouped_gemm_workspace_bytes<D, L, Tile::k128x128>(problems, batch)});
-      if constexpr (L == Layout::kWeightGrad)
-        bytes = std::max(bytes, grouped_gemm_workspace_bytes<D, L, Tile::k128x256Direct>(problems, batch));
-      return bytes;
+      return std::max({grouped_gemm_workspace_bytes<D, L, Tile::k128x256>(problems, batch),
+                       grouped_gemm_workspace_bytes<D, L, Tile::k64x256>(problems, batch),
+                       grouped_gemm_workspace_bytes<D, L, Tile::k128x128>(problems, batch)});
     };
     switch (Layout(layout)) {
       case Layout::kForward: return most(std::integral_constant<Layout, Layout::kForward>{});

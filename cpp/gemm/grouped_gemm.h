@@ -28,9 +28,6 @@ enum class Tile : int {
   // Ping-pong, 128 x 128: the weight gradient of long groups (1024 rows and more), where it
   // measured 4-8% faster than 128 x 256; with short groups its twice as many tiles cost more.
   k128x128 = 2,
-  // The weight gradient only: 128 x 256 cooperative with CUTLASS's epilogue without shared memory
-  // (registers straight to global memory: no TMA store descriptor to rewrite between groups).
-  k128x256Direct = 3,
 };
 
 // One launch covers batch * groups problems. Offsets are in elements; a batch stride of 0

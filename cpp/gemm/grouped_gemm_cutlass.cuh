@@ -57,15 +57,11 @@ struct GroupedGemmConfig {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA accesses
 
-  // The epilogue without shared memory (registers straight to global) names its absent source C.
-  static constexpr bool kDirectEpilogue = std::is_same_v<EpilogueSchedule, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
-  using Fusion = std::conditional_t<kDirectEpilogue,
-                                    cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>,
-                                    cutlass::epilogue::fusion::LinearCombination<Element, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment, EpilogueSchedule, Fusion>::CollectiveOp;
+      void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -173,10 +169,8 @@ typename Config::Gemm::Arguments make_arguments(const GroupedGemmArgs& a, char* 
   fusion.beta_ptr = nullptr;
   fusion.alpha_ptr_array = nullptr;
   fusion.beta_ptr_array = nullptr;
-  if constexpr (!Config::kDirectEpilogue) {  // the direct epilogue's thread-level parameters have no strides
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
-    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
-  }
+  fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count();
@@ -277,13 +271,6 @@ struct TileConfig<D, L, Tile::k128x128> {
   using type = GroupedGemmConfig<D, L, cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
                                  cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                  cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-};
-
-template <Dtype D, Layout L>
-struct TileConfig<D, L, Tile::k128x256Direct> {
-  using type = GroupedGemmConfig<D, L, cute::Shape<cute::_128, cute::_256, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
-                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                 cutlass::epilogue::PtrArrayNoSmemWarpSpecialized, RunProblemShape>;
 };
 
 // Defines the two entry points of one instantiation (use once per translation unit; CMake

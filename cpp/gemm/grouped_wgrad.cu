@@ -7,7 +7,9 @@
 // tile never overlap the MMA of the next (BENCHMARKS.md, "What bounds the misses"). Here the
 // epilogue stores straight from registers (16-byte stores after a transpose within each quad of
 // lanes) and the consumers go on to the next tile, whose first stages the producer has already
-// loaded: the stores drain under the next tile's MMA.
+// loaded: the stores drain under the next tile's MMA. Measured on the H200 it is bit-identical to
+// CUTLASS's output but slower (0.68-0.76x on Qwen3's dW; docs/design-notes.md, "Grouped GEMM
+// tiles", item 8), so it runs only when asked for (MOE_GROUPED_GEMM_DW_KERNEL=persistent).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
