@@ -177,11 +177,10 @@ def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> 
     MOE_GROUPED_GEMM_DW_KERNEL=persistent read when the call is lowered, our persistent one
     (cpp/gemm/grouped_wgrad.cu; graph-safe, bit-identical output, but 0.68-0.76x CUTLASS's rate on
     the H200: docs/design-notes.md, "Grouped GEMM tiles", item 8)."""
-    if batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
+    if os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass") != "persistent" or batch != 1:
         return False
-    if not _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups):
-        return False
-    return os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass") == "persistent"
+    return (_native.has_target("cuda", "ragged_dot_wgrad_sm90")
+            and _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups))
 
 
 def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, precision):

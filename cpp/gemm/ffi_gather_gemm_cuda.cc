@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "ffi_gemm_common.h"
 #include "ffi_grouped_gemm.h"
 #include "gather_gemm.h"
 #include "xla/ffi/api/ffi.h"
@@ -13,18 +14,8 @@
 namespace moe::gemm {
 namespace {
 
-namespace ffi = xla::ffi;
-using I32Buffer = ffi::Buffer<ffi::S32>;
-using Stream = ffi::PlatformStream<cudaStream_t>;
-
 ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_moe_permute: gather_gemm: " + what);
-}
-
-std::optional<Dtype> gemm_dtype(ffi::DataType t) {
-  if (t == ffi::DataType::BF16) return Dtype::kBf16;
-  if (t == ffi::DataType::F16) return Dtype::kF16;
-  return std::nullopt;
 }
 
 // out [M, F] = act(x[row_token] · w[group]); pre [M, N] = x[row_token] · w[group] when save_pre.
@@ -66,9 +57,7 @@ ffi::Error GatherGemm(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_token
 
   a.x = x.untyped_data(), a.row_token = row_token.typed_data(), a.group_sizes = group_sizes.typed_data();
   a.w = w.untyped_data(), a.out = out->untyped_data(), a.pre = a.save_pre ? pre->untyped_data() : nullptr;
-  if (cudaError_t err = gather_gemm(*dtype, a, stream); err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_moe_permute: gather_gemm: ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return cuda_status(gather_gemm(*dtype, a, stream), "gather_gemm");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <string>
 
+#include "ffi_gemm_common.h"
 #include "grouped_gemm.h"
 #include "moe_mlp_decode.h"
 #include "xla/ffi/api/ffi.h"
@@ -18,17 +19,8 @@
 namespace moe::gemm {
 namespace {
 
-namespace ffi = xla::ffi;
-using I32Buffer = ffi::Buffer<ffi::S32>;
-using Stream = ffi::PlatformStream<cudaStream_t>;
 
 ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument("jax_moe_permute: " + what); }
-
-std::optional<Dtype> gemm_dtype(ffi::DataType t) {
-  if (t == ffi::DataType::BF16) return Dtype::kBf16;
-  if (t == ffi::DataType::F16) return Dtype::kF16;
-  return std::nullopt;
-}
 
 constexpr std::pair<Tile, const char*> kTileNames[] = {{Tile::k128x256, "128x256"}, {Tile::k64x256, "64x256"}, {Tile::k128x128, "128x128"}};
 
@@ -112,10 +104,7 @@ ffi::Error bind_operands(GroupedGemmArgs& a, ffi::AnyBuffer& lhs, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error gemm_error(cudaError_t err) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot: ") + cudaGetErrorString(err));
-}
+ffi::Error gemm_error(cudaError_t err) { return cuda_status(err, "ragged_dot"); }
 
 ffi::Error launch(cudaStream_t stream, Dtype dtype, Layout layout, GroupedGemmArgs& a, ffi::AnyBuffer& lhs,
                   ffi::AnyBuffer& rhs, I32Buffer& sizes, int64_t lhs_per, int64_t rhs_per, ffi::AnyBuffer& workspace) {

@@ -5,16 +5,13 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi_gemm_common.h"
 #include "ffi_grouped_gemm.h"
 #include "grouped_wgrad.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace moe::gemm {
 namespace {
-
-namespace ffi = xla::ffi;
-using I32Buffer = ffi::Buffer<ffi::S32>;
-using Stream = ffi::PlatformStream<cudaStream_t>;
 
 ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_moe_permute: ragged_dot weight grad (sm90): " + what);
@@ -26,8 +23,8 @@ ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer 
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions(), od = out->dimensions();
   if (ld.size() != 3 || rd.size() != 3 || sd.size() != 2 || od.size() != 4)
     return invalid("expected lhs [1, M, K], rhs [1, M, N], group_sizes [1, G], out [1, G, K, N]");
-  const ffi::DataType t = lhs.element_type();
-  if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || rhs.element_type() != t || out->element_type() != t)
+  const auto dtype = gemm_dtype(lhs.element_type());
+  if (!dtype || rhs.element_type() != lhs.element_type() || out->element_type() != lhs.element_type())
     return invalid("lhs, rhs and out must all be bfloat16 or all float16");
   GroupedWgradArgs a;
   a.rows = ld[1], a.k = ld[2], a.n = rd[2], a.groups = sd[1];
@@ -38,10 +35,7 @@ ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer 
     return invalid("shapes outside the kernel's range (K, N multiples of 64, 1 <= G <= 1024; see grouped_wgrad_fits)");
   a.lhs = lhs.untyped_data(), a.rhs = rhs.untyped_data(), a.group_sizes = sizes.typed_data();
   a.out = out->untyped_data();
-  const Dtype dtype = t == ffi::DataType::BF16 ? Dtype::kBf16 : Dtype::kF16;
-  if (cudaError_t err = grouped_wgrad(dtype, a, stream); err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_moe_permute: ragged_dot weight grad (sm90): ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return cuda_status(grouped_wgrad(*dtype, a, stream), "ragged_dot weight grad (sm90)");
 }
 
 }  // namespace
