@@ -3,7 +3,8 @@
 // 384 threads per block: warpgroup 0 produces (cp.async gathers the 128 rows of A straight from
 // x, 8 threads per row so that each warp request reads whole 128-byte lines; TMA loads B from w),
 // warpgroups 1-2 consume (wgmma m64n256k16, 64 rows each) and run the epilogue (activation in
-// f32, one rounding, direct stores). Block tile 128 x 256 x 64, 4 stages.
+// f32, one rounding, 16-byte stores straight from registers after a transpose within each quad of
+// lanes). Block tile 128 x 256 x 64, 4 stages.
 // Gated: the 256 accumulator columns are 128 gate columns and the 128 matching up columns, so
 // each thread holds gate column c and up column c + 128 and pairs them in registers.
 // Persistent grid; each block scans group_sizes itself (no workspace, no extra launch).
@@ -137,38 +138,58 @@ __device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_ti
 
 template <class T, bool kGated, MlpActivation A>
 __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
-  const int lane = threadIdx.x & 31;
+  const int q = threadIdx.x & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = t.row0 + row_in_tile + 8 * half;
-    if (row >= t.row_end) continue;
+    const bool row_in = row < t.row_end;  // the same for the 4 lanes of a row; all of them shuffle
     if constexpr (kGated) {
-      const int f = int(p.ffn);
-      const int col0 = t.col_tile * 128 + 2 * (lane & 3);
-      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + int64_t(row) * f + col0);
-      uint32_t* pre = p.pre == nullptr ? nullptr : reinterpret_cast<uint32_t*>(static_cast<T*>(p.pre) + int64_t(row) * p.n + col0);
+      // Gate column c of the tile pairs with up column c + 128: out column c.
+      const int64_t col = int64_t(t.col_tile) * 128 + 8 * q;
+      T* out = static_cast<T*>(p.out) + int64_t(row) * p.ffn + col;
+      T* pre = p.pre == nullptr ? nullptr : static_cast<T*>(p.pre) + int64_t(row) * p.n + col;
 #pragma unroll
-      for (int q = 0; q < 16; ++q) {
-        const int i = 4 * q + 2 * half;
-        const float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + 64], u1 = acc[i + 65];
-        out[4 * q] = pack2<T>(activate<A>(g0) * u0, activate<A>(g1) * u1);  // 4 u32 = 8 columns per q
+      for (int m = 0; m < 4; ++m) {  // column groups 4 m .. 4 m + 3: out columns [32 m, 32 m + 32)
+        uint32_t h[4], gate[4], up[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * (4 * m + j) + 2 * half;
+          const float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + 64], u1 = acc[i + 65];
+          h[j] = pack2<T>(activate<A>(g0) * u0, activate<A>(g1) * u1);
+          gate[j] = pack2<T>(g0, g1);
+          up[j] = pack2<T>(u0, u1);
+        }
+        const uint4 hv = quad_transpose(h);
+        if (row_in) *reinterpret_cast<uint4*>(out + 32 * m) = hv;
         if (pre != nullptr) {
-          pre[4 * q] = pack2<T>(g0, g1);
-          pre[4 * q + f / 2] = pack2<T>(u0, u1);
+          const uint4 gv = quad_transpose(gate), uv = quad_transpose(up);
+          if (row_in) {
+            *reinterpret_cast<uint4*>(pre + 32 * m) = gv;
+            *reinterpret_cast<uint4*>(pre + p.ffn + 32 * m) = uv;
+          }
         }
       }
     } else {
-      const int col0 = t.col_tile * kTileCols + 2 * (lane & 3);
-      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + int64_t(row) * p.n + col0);
-      uint32_t* pre = p.pre == nullptr ? nullptr : reinterpret_cast<uint32_t*>(static_cast<T*>(p.pre) + int64_t(row) * p.n + col0);
+      const int64_t col = int64_t(t.col_tile) * kTileCols + 8 * q;
+      T* out = static_cast<T*>(p.out) + int64_t(row) * p.n + col;
+      T* pre = p.pre == nullptr ? nullptr : static_cast<T*>(p.pre) + int64_t(row) * p.n + col;
       // N % 128 == 0: the last column tile holds 128 or 256 columns.
       const bool right_half = int(p.n) - t.col_tile * kTileCols > 128;
 #pragma unroll
-      for (int q = 0; q < 32; ++q) {
-        const int i = 4 * q + 2 * half;
-        if (q < 16 || right_half) {
-          out[4 * q] = pack2<T>(activate<A>(acc[i]), activate<A>(acc[i + 1]));
-          if (pre != nullptr) pre[4 * q] = pack2<T>(acc[i], acc[i + 1]);
+      for (int m = 0; m < 8; ++m) {  // column groups 4 m .. 4 m + 3: columns [32 m, 32 m + 32)
+        if (m >= 4 && !right_half) break;
+        uint32_t h[4], raw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * (4 * m + j) + 2 * half;
+          h[j] = pack2<T>(activate<A>(acc[i]), activate<A>(acc[i + 1]));
+          raw[j] = pack2<T>(acc[i], acc[i + 1]);
+        }
+        const uint4 hv = quad_transpose(h);
+        if (row_in) *reinterpret_cast<uint4*>(out + 32 * m) = hv;
+        if (pre != nullptr) {
+          const uint4 rv = quad_transpose(raw);
+          if (row_in) *reinterpret_cast<uint4*>(pre + 32 * m) = rv;
         }
       }
     }
@@ -294,8 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
       int prev_stage = -1;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
-        // cp.async wrote A through the generic proxy; wgmma reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_cp_async_to_wgmma();  // A came by cp.async
         const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * (64 * 128);
         const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
         fence_accumulators(acc);

@@ -7,9 +7,10 @@
 // tile never overlap the MMA of the next (BENCHMARKS.md, "What bounds the misses"). Here the
 // epilogue stores straight from registers (16-byte stores after a transpose within each quad of
 // lanes) and the consumers go on to the next tile, whose first stages the producer has already
-// loaded: the stores drain under the next tile's MMA. Measured on the H200 it is bit-identical to
-// CUTLASS's output but slower (0.68-0.76x on Qwen3's dW; docs/design-notes.md, "Grouped GEMM
-// tiles", item 8), so it runs only when asked for (MOE_GROUPED_GEMM_DW_KERNEL=persistent).
+// loaded: the stores drain under the next tile's MMA. Its first build, bit-identical to CUTLASS's
+// output, ran at 0.68-0.76x CUTLASS's rate on Qwen3's dW because a proxy fence after each stage
+// wait waited for those stores (docs/design-notes.md, "Grouped GEMM tiles", item 8); until the
+// rebuilt kernel is measured it runs only when asked for (MOE_GROUPED_GEMM_DW_KERNEL=persistent).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
@@ -104,32 +105,14 @@ __device__ __forceinline__ Tile decode_tile(int tile, int k_tiles, int n_tiles, 
   return t;
 }
 
-// Lane l of a quad holds v[j] = columns 8 (4 m + j) + 2 l, +1 of one row, j < 4. Afterwards it
-// holds all 8 columns of column group 4 m + l: one 16-byte store. Round r sends v[(l - r) % 4] to
-// lane l - r and receives from lane l + r.
-__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int l) {
-  uint32_t w[4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int send = (l - r) & 3, from = (l + r) & 3;
-    const uint32_t out = send == 0 ? v[0] : send == 1 ? v[1] : send == 2 ? v[2] : v[3];
-    const uint32_t in = r == 0 ? out : __shfl_sync(0xffffffffu, out, (threadIdx.x & ~3) | from);
-    // `in` is lane from's pair for column group 4 m + l, columns 8 (4 m + l) + 2 from, +1
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-      if (s == from) w[s] = in;
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // wgmma m64n256 accumulator of thread (warp wi, lane l): value i at row 16 wi + l / 4 + 8 ((i / 2) % 2),
 // column 8 (i / 4) + 2 (l % 4) + i % 2.
 template <class T>
 __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
-  const int l = threadIdx.x & 3;
   const int64_t kw = t.k0 + row_in_tile;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
   if (kw >= p.k) return;
   T* out = static_cast<T*>(p.out) + (int64_t(t.group) * p.k + kw) * p.n + t.n0;
+  const int q = threadIdx.x & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -140,8 +123,8 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
         const int i = 4 * (4 * m + j) + 2 * half;
         v[j] = pack2<T>(acc[i], acc[i + 1]);
       }
-      const uint4 w = quad_transpose(v, l);
-      const int col = 32 * m + 8 * l;
+      const uint4 w = quad_transpose(v);
+      const int col = 32 * m + 8 * q;
       if (t.n0 + col < p.n)  // p.n % 64 == 0: whole 64-column boxes are in or out
         *reinterpret_cast<uint4*>(out + int64_t(8 * half) * p.n + col) = w;
     }
@@ -251,8 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
       int prev_stage = -1;
       for (int step = 0; step < tl.steps; ++step) {
         mbar_wait(full_bar + 8 * stage, phase);
-        // cp.async wrote through the generic proxy; wgmma reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_cp_async_to_wgmma();  // a group's partial stage came by cp.async
         const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * kBoxBytes;
         const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
         fence_accumulators(acc);

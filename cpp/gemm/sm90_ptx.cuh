@@ -1,5 +1,6 @@
 // Hopper (sm90a) building blocks our hand-written wgmma kernels share: mbarriers, cp.async,
-// TMA loads, wgmma shared-memory descriptors, accumulator fences and bf16/f16 packing.
+// TMA loads, proxy fences, wgmma shared-memory descriptors, accumulator fences, bf16/f16 packing
+// and the quad transpose behind 16-byte epilogue stores.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
@@ -84,6 +85,19 @@ __device__ __forceinline__ void gmma_call(uint64_t desc_a, uint64_t desc_b, floa
   Op::fma(desc_a, desc_b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
+// After a barrier wait that saw other threads' cp.async writes land in shared memory: orders them
+// before this thread's wgmma reads, which go through the async proxy. The one-way acquire form
+// compiles to no instruction on sm90a; the two-way fence.proxy.async is MEMBAR.ALL.CTA +
+// FENCE.VIEW.ASYNC.S, and that membar first waits for every global store the thread still has in
+// flight: the previous tile's epilogue, which is meant to drain under this tile's MMAs.
+__device__ __forceinline__ void fence_cp_async_to_wgmma() {
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8)
+  asm volatile("fence.proxy.async::generic.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+#else
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
 __device__ __forceinline__ void fence_accumulators(float (&acc)[128]) {
 #pragma unroll
@@ -99,6 +113,29 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
+}
+
+// A wgmma accumulator row is spread over the 4 lanes of a quad: in each 8-column group, lane q holds
+// columns 2q and 2q + 1 (one packed pair). Given the pairs of 4 consecutive groups, v[j] from group
+// j, lane q gets back all 4 pairs of group q: 8 consecutive columns, one 16-byte store. A 4 x 4
+// transpose over the quad in two butterfly rounds (lanes q ^ 1, then q ^ 2), two shuffles each,
+// with no index that depends on the lane at run time. Every lane of the warp must call it.
+__device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4]) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int b = 1; b <= 2; b <<= 1) {
+    const bool upper = (q & b) != 0;
+#pragma unroll
+    for (int j0 = 0; j0 < 4; ++j0) {
+      if (j0 & b) continue;
+      const int j1 = j0 | b;
+      // Each lane keeps the pair whose index bit matches its own and swaps the other.
+      const uint32_t recv = __shfl_xor_sync(0xffffffffu, upper ? v[j0] : v[j1], b);
+      if (upper) v[j0] = recv;
+      else v[j1] = recv;
+    }
+  }
+  return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // The sum of v over lanes 0..lane of the warp.
