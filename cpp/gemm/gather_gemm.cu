@@ -20,30 +20,19 @@
 
 #include "cuda_check.h"
 #include "gather_gemm.h"
-#include "sm90_ptx.cuh"
+#include "sm90_stages.cuh"
 
 namespace moe::gemm {
 namespace {
 
 using namespace sm90;
 
-constexpr int kThreads = 384;
-constexpr int kTileRows = 128;
-constexpr int kTileCols = 256;  // accumulator columns per block tile
+constexpr int kTileRows = 128;  // A of the stage ring: rows gathered from x
+constexpr int kTileCols = 256;  // B: accumulator columns per block tile
 constexpr int kTileK = 64;      // one 128-byte swizzle row of bf16/f16
-constexpr int kStages = 4;
 constexpr int kMaxExperts = 1024;
-constexpr int kBoxCols = 64;                                // TMA box: 64 columns x 64 k
-constexpr int kBoxBytes = kBoxCols * kTileK * 2;            // 8 KiB
-constexpr int kStageABytes = kTileRows * kTileK * 2;        // 16 KiB
-constexpr int kStageBBytes = kTileCols * kTileK * 2;        // 32 KiB
-constexpr int kBOffset = kStages * kStageABytes;
-constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
-constexpr int kGroupEndOffset = kBarrierOffset + 2 * kStages * 8;
-constexpr int kRowTileEndOffset = kGroupEndOffset + kMaxExperts * 4;
-constexpr int kSmemBytes = kRowTileEndOffset + kMaxExperts * 4 + 1024;  // + slack to align to 1024
-constexpr int kConsumerWarps = 8;
-constexpr int kFullArrivals = 128 + 1;  // one cp.async arrival per producer thread + the TMA thread's expect-tx
+constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxExperts * 4);  // + group ends and row-tile ends
+static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 == kStageBBytes);
 
 struct Params {
   const void* x;
@@ -133,8 +122,7 @@ __device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_ti
 }
 
 // ---- epilogue ----------------------------------------------------------------------------------
-// wgmma m64nNk16 f32 accumulator of thread (warp wi, lane l) of a warpgroup: value i sits at row
-// 16 * wi + l / 4 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + 2 * (l % 4) + i % 2.
+// Rows row_in_tile and row_in_tile + 8 of the tile, from the accumulator (layout in sm90_stages.cuh).
 
 template <class T, bool kGated, MlpActivation A>
 __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
@@ -218,23 +206,11 @@ __device__ void zero_uncovered_rows(const Params& p, int64_t covered, int consum
 template <class T, bool kGated>
 __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap w_map) {
   extern __shared__ uint8_t smem_raw[];
-  // 128-byte swizzle repeats every 1024 bytes of address: align the stages to it.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t smem_base = smem_u32(smem);
-  const uint32_t full_bar = smem_base + kBarrierOffset;           // + 8 * stage
-  const uint32_t empty_bar = smem_base + kBarrierOffset + 8 * kStages;  // + 8 * stage
-  int32_t* group_end = reinterpret_cast<int32_t*>(smem + kGroupEndOffset);
-  int32_t* row_tile_end = reinterpret_cast<int32_t*>(smem + kRowTileEndOffset);
-
+  StageRing ring(smem_raw);
+  int32_t* group_end = ring.tables<int32_t>();
+  int32_t* row_tile_end = ring.tables<int32_t>(kMaxExperts * 4);
   if (threadIdx.x < 32) scan_groups(p, group_end, row_tile_end);
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_bar + 8 * s, kFullArrivals);
-      mbar_init(empty_bar + 8 * s, kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
-  }
+  if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
 
   const int experts = int(p.experts);
@@ -245,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // 56 x 128 + 224 x 256 = 168 x 384
+    producer_registers();
     // Thread t copies 16-byte chunk t % 8 of the 128-byte k-block slice of rows t / 8 + 16 j,
     // j < 8: the 8 threads of a row read it whole and a warp instruction reads 4 full rows.
     const int t = threadIdx.x;
@@ -254,8 +230,6 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     // swizzle wgmma reads (r % 8 == row_sub % 8 for every j).
     const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* x = static_cast<const T*>(p.x);
-    int stage = 0;
-    uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
       int32_t token[8];  // -1: padding or an invalid token, zero-filled
@@ -272,20 +246,20 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
       const bool right_half = kGated || int(p.n) - col_base > 128;  // N % 128 == 0: 2 or 4 boxes
       const uint32_t stage_b_bytes = right_half ? 4 * kBoxBytes : 2 * kBoxBytes;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t full = full_bar + 8 * stage;
+        ring.wait_empty();
+        const uint32_t full = ring.full(ring.stage);
         if (t == 0) {
           mbar_arrive_expect_tx(full, stage_b_bytes);
-          const uint32_t b_stage = smem_base + kBOffset + stage * kStageBBytes;
+          const uint32_t b_stage = ring.b(ring.stage);
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
-            const int col = kGated ? (b < 2 ? col_base + b * kBoxCols : int(p.ffn) + col_base + (b - 2) * kBoxCols)
-                                   : col_base + b * kBoxCols;
+            const int col = kGated ? (b < 2 ? col_base + b * kBox : int(p.ffn) + col_base + (b - 2) * kBox)
+                                   : col_base + b * kBox;
             if (b < 2 || right_half) tma_load_3d(b_stage + b * kBoxBytes, &w_map, full, col, kb * kTileK, tl.group);
           }
         }
         // Missing rows and the K tail are zero-filled.
-        const uint32_t a_stage = smem_base + stage * kStageABytes + a_offset;
+        const uint32_t a_stage = ring.a(ring.stage) + a_offset;
         const int k = kb * kTileK + chunk * 8;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -294,57 +268,26 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
           cp_async_16_zfill(a_stage + j * (16 * 128), src, in ? 16 : 0);
         }
         cp_async_arrive_noinc(full);
-        if (++stage == kStages) stage = 0, phase ^= 1;
+        ring.advance();
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    using Op = typename GmmaOp<T>::type;
+    consumer_registers();
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
+    StageConsumer<typename GmmaOp<T>::type> consume;
     float acc[128];
-    int stage = 0;
-    uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      int prev_stage = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(full_bar + 8 * stage, phase);
-        fence_cp_async_to_wgmma();  // A came by cp.async
-        const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * (64 * 128);
-        const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
-        fence_accumulators(acc);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int k = 0; k < kTileK / 16; ++k) {
-          // A, K-major: +32 bytes per k16 inside the swizzled row; 8-row groups 1024 bytes apart.
-          // B, N-major: +16 k rows = 2048 bytes; 64-column boxes 8192 bytes apart (leading),
-          // 8-k-row groups 1024 bytes apart (stride).
-          const uint64_t desc_a = gmma_desc(a_addr + k * 32, 16, 1024);
-          const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
-          gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();  // the previous k-block's wgmma are done: release its stage
-        fence_accumulators(acc);
-        if (prev_stage >= 0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-        }
-        prev_stage = stage;
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-      cute::warpgroup_wait<0>();
-      fence_accumulators(acc);
-      if (prev_stage >= 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-      }
+      // A, K-major: this consumer's 64 rows start 64 x 128 bytes in; +32 bytes per k16 inside the
+      // swizzled row (leading offset unused: 16).
+      for (int kb = 0; kb < k_blocks; ++kb) consume.mma(ring, acc, consumer * (64 * 128), 32, 16);
+      consume.finish(ring, acc);
       if constexpr (kGated) {
         if (p.activation == int(MlpActivation::kSwiglu)) store_tile<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, acc);
         else store_tile<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, acc);
@@ -366,7 +309,7 @@ cudaError_t make_w_map(const GatherGemmArgs& a, CUtensorMapDataType type, CUtens
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(a.hidden), cuuint64_t(a.experts)};
   const cuuint64_t strides[2] = {cuuint64_t(a.n) * 2, cuuint64_t(a.hidden) * cuuint64_t(a.n) * 2};  // bytes, dims 1-2
-  const cuuint32_t box[3] = {kBoxCols, kTileK, 1};
+  const cuuint32_t box[3] = {kBox, kTileK, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult r = encode(map, type, 3, const_cast<void*>(a.w), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

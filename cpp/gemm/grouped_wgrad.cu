@@ -25,30 +25,19 @@
 
 #include "cuda_check.h"
 #include "grouped_wgrad.h"
-#include "sm90_ptx.cuh"
+#include "sm90_stages.cuh"
 
 namespace moe::gemm {
 namespace {
 
 using namespace sm90;
 
-constexpr int kThreads = 384;
-constexpr int kTileK = 128;    // rows of out[g] per tile (columns of lhs)
-constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs)
+constexpr int kTileK = 128;    // rows of out[g] per tile (columns of lhs): A of the stage ring
+constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs): B
 constexpr int kStepRows = 64;  // rows of lhs and rhs reduced per stage
-constexpr int kStages = 4;
 constexpr int kMaxGroups = 1024;
-constexpr int kBox = 64;                               // elements per 128-byte swizzle row
-constexpr int kBoxBytes = kBox * kStepRows * 2;        // 8 KiB: 64 columns x 64 rows
-constexpr int kStageABytes = kTileK * kStepRows * 2;   // 16 KiB: 2 boxes
-constexpr int kStageBBytes = kTileN * kStepRows * 2;   // 32 KiB: 4 boxes
-constexpr int kBOffset = kStages * kStageABytes;
-constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
-constexpr int kGroupStartOffset = kBarrierOffset + 2 * kStages * 8;
-constexpr int kGroupEndOffset = kGroupStartOffset + kMaxGroups * 4;
-constexpr int kSmemBytes = kGroupEndOffset + kMaxGroups * 4 + 1024;  // + slack to align to 1024
-constexpr int kConsumerWarps = 8;
-constexpr int kFullArrivals = 128 + 1;  // one per producer thread (cp.async or plain) + thread 0's TMA / extra arrival
+constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxGroups * 4);  // + each group's first and end row
+static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
   const void* lhs;
@@ -91,22 +80,29 @@ struct Tile {
   int steps;          // 64-row stages
 };
 
-__device__ __forceinline__ Tile decode_tile(int tile, int k_tiles, int n_tiles, const int32_t* group_start,
+// Tiles run group by group, k_tiles x n_tiles a group.
+struct TileGrid {
+  int k_tiles, n_tiles, tiles;
+  __device__ explicit TileGrid(const Params& p)
+      : k_tiles(int((p.k + kTileK - 1) / kTileK)), n_tiles(int((p.n + kTileN - 1) / kTileN)),
+        tiles(int(p.groups) * k_tiles * n_tiles) {}
+};
+
+__device__ __forceinline__ Tile decode_tile(int tile, const TileGrid& grid, const int32_t* group_start,
                                             const int32_t* group_end) {
-  const int per_group = k_tiles * n_tiles;
+  const int per_group = grid.k_tiles * grid.n_tiles;
   Tile t;
   t.group = tile / per_group;
   const int in_group = tile - t.group * per_group;
-  t.k0 = (in_group % k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
-  t.n0 = (in_group / k_tiles) * kTileN;
+  t.k0 = (in_group % grid.k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
+  t.n0 = (in_group / grid.k_tiles) * kTileN;
   t.row0 = group_start[t.group];
   t.row_end = group_end[t.group];
   t.steps = (t.row_end - t.row0 + kStepRows - 1) / kStepRows;
   return t;
 }
 
-// wgmma m64n256 accumulator of thread (warp wi, lane l): value i at row 16 wi + l / 4 + 8 ((i / 2) % 2),
-// column 8 (i / 4) + 2 (l % 4) + i % 2.
+// Rows row_in_tile and row_in_tile + 8 of the tile, from the accumulator (layout in sm90_stages.cuh).
 template <class T>
 __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
   const int64_t kw = t.k0 + row_in_tile;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
@@ -153,32 +149,19 @@ template <class T>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                                                                      const __grid_constant__ CUtensorMap rhs_map) {
   extern __shared__ uint8_t smem_raw[];
-  // 128-byte swizzle repeats every 1024 bytes of address: align the stages to it.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t smem_base = smem_u32(smem);
-  const uint32_t full_bar = smem_base + kBarrierOffset;                 // + 8 * stage
-  const uint32_t empty_bar = smem_base + kBarrierOffset + 8 * kStages;  // + 8 * stage
-  int32_t* group_start = reinterpret_cast<int32_t*>(smem + kGroupStartOffset);
-  int32_t* group_end = reinterpret_cast<int32_t*>(smem + kGroupEndOffset);
-
+  StageRing ring(smem_raw);
+  int32_t* group_start = ring.tables<int32_t>();
+  int32_t* group_end = ring.tables<int32_t>(kMaxGroups * 4);
   if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
-  if (threadIdx.x == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_bar + 8 * s, kFullArrivals);
-      mbar_init(empty_bar + 8 * s, kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
-  }
+  if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
 
-  const int k_tiles = int((p.k + kTileK - 1) / kTileK), n_tiles = int((p.n + kTileN - 1) / kTileN);
-  const int tiles = int(p.groups) * k_tiles * n_tiles;
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // 56 x 128 + 224 x 256 = 168 x 384
+    producer_registers();
+    const TileGrid grid(p);  // after setmaxnreg: ptxas keeps values live across it in local memory
     // cp.async: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column
     // box. Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16), as TMA's 128-byte swizzle
     // puts it: the MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
@@ -187,13 +170,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
     const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* lhs = static_cast<const T*>(p.lhs);
     const T* rhs = static_cast<const T*>(p.rhs);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, k_tiles, n_tiles, group_start, group_end);
+    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, grid, group_start, group_end);
       for (int step = 0; step < tl.steps; ++step) {
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const uint32_t full = full_bar + 8 * stage;
+        ring.wait_empty();
+        const uint32_t full = ring.full(ring.stage), a_stage = ring.a(ring.stage), b_stage = ring.b(ring.stage);
         const int step_row = tl.row0 + step * kStepRows;
         if (tl.row_end - step_row >= kStepRows) {  // 64 rows of the group: TMA
           if (t == 0) {
@@ -201,68 +182,36 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
             // columns of out are not stored).
             const int a_boxes = int(min(int64_t(2), (p.k - tl.k0) / kBox)), b_boxes = int(min(int64_t(4), (p.n - tl.n0) / kBox));
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
-            const uint32_t a_stage = smem_base + stage * kStageABytes, b_stage = smem_base + kBOffset + stage * kStageBBytes;
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
             for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
           }
           mbar_arrive(full);
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
-          copy_rows<2>(smem_base + stage * kStageABytes + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
-          copy_rows<4>(smem_base + kBOffset + stage * kStageBBytes + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end,
-                       row_sub, chunk);
+          copy_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
+          copy_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end, row_sub, chunk);
           cp_async_arrive_noinc(full);
           if (t == 0) mbar_arrive(full);
         }
-        if (++stage == kStages) stage = 0, phase ^= 1;
+        ring.advance();
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    using Op = typename GmmaOp<T>::type;
+    consumer_registers();
+    const TileGrid grid(p);
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
+    StageConsumer<typename GmmaOp<T>::type> consume;
     float acc[128];
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, k_tiles, n_tiles, group_start, group_end);
+    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, grid, group_start, group_end);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      int prev_stage = -1;
-      for (int step = 0; step < tl.steps; ++step) {
-        mbar_wait(full_bar + 8 * stage, phase);
-        fence_cp_async_to_wgmma();  // a group's partial stage came by cp.async
-        const uint32_t a_addr = smem_base + stage * kStageABytes + consumer * kBoxBytes;
-        const uint32_t b_addr = smem_base + kBOffset + stage * kStageBBytes;
-        fence_accumulators(acc);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int k = 0; k < kStepRows / 16; ++k) {
-          // Both MN-major: +16 rows = 2048 bytes per k16; 64-column boxes 8192 bytes apart
-          // (leading), 8-row groups 1024 bytes apart (stride). A's 64 rows of out are one box.
-          const uint64_t desc_a = gmma_desc(a_addr + k * 2048, kBoxBytes, 1024);
-          const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
-          gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();  // the previous step's wgmma are done: release its stage
-        fence_accumulators(acc);
-        if (prev_stage >= 0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-        }
-        prev_stage = stage;
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-      cute::warpgroup_wait<0>();
-      fence_accumulators(acc);
-      if (prev_stage >= 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * prev_stage);
-      }
+      // A, MN-major: this consumer's 64 rows of out are one box; +16 rows = 2048 bytes per k16.
+      for (int step = 0; step < tl.steps; ++step) consume.mma(ring, acc, consumer * kBoxBytes, 2048, kBoxBytes);
+      consume.finish(ring, acc);
       store_tile<T>(p, tl, row_in_tile, acc);
     }
   }

@@ -1,0 +1,123 @@
+// The stage ring of our warp-specialized sm90a wgmma kernels (gather_gemm.cu, grouped_wgrad.cu).
+//
+// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages holds A,
+// 128 x 64 (two 8 KiB boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four
+// boxes), with a full barrier (producer -> consumers) and an empty one (consumers -> producer).
+// Each consumer multiplies its 64 rows of A by all of B (wgmma m64n256k16, 16 x 4 k steps a stage)
+// into 128 f32 accumulators a thread. A kernel's own tables follow the barriers in shared memory.
+//
+// The accumulator of thread (warp wi, lane l) of a consumer holds value i at row
+// 16 wi + l / 4 + 8 ((i / 2) % 2) and column 8 (i / 4) + 2 (l % 4) + i % 2.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "sm90_ptx.cuh"
+
+namespace moe::gemm::sm90 {
+
+constexpr int kThreads = 384;
+constexpr int kStages = 4;
+constexpr int kBox = 64;                     // elements per 128-byte swizzle row
+constexpr int kBoxBytes = kBox * 64 * 2;     // 8 KiB: 64 x 64
+constexpr int kStageABytes = 2 * kBoxBytes;  // 128 x 64
+constexpr int kStageBBytes = 4 * kBoxBytes;  // 256 x 64
+constexpr int kBOffset = kStages * kStageABytes;
+constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
+constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
+constexpr int kConsumerWarps = 8;
+constexpr int kFullArrivals = 128 + 1;  // one per producer thread (cp.async or plain) + thread 0's TMA expect-tx
+
+// Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
+constexpr int stage_ring_smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
+
+// One thread's view of the ring: addresses, and its position (stage, phase), which producer and
+// consumers advance through the same sequence.
+struct StageRing {
+  uint8_t* smem;  // 1024-aligned: the 128-byte swizzle repeats every 1024 bytes of address
+  uint32_t base;
+  int stage = 0;
+  uint32_t phase = 0;
+
+  __device__ explicit StageRing(uint8_t* raw)
+      : smem(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))),
+        base(smem_u32(smem)) {}
+
+  __device__ uint32_t a(int s) const { return base + s * kStageABytes; }
+  __device__ uint32_t b(int s) const { return base + kBOffset + s * kStageBBytes; }
+  __device__ uint32_t full(int s) const { return base + kBarrierOffset + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + kBarrierOffset + 8 * (kStages + s); }
+  template <class U>
+  __device__ U* tables(int byte_offset = 0) const {
+    return reinterpret_cast<U*>(smem + kTablesOffset + byte_offset);
+  }
+
+  // One thread, before the block's first __syncthreads.
+  __device__ void init_barriers() const {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), kFullArrivals);
+      mbar_init(empty(s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
+  }
+
+  // Producer: until the consumers have released the current stage.
+  __device__ void wait_empty() const { mbar_wait(empty(stage), phase ^ 1); }
+  __device__ void advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
+// 56 x 128 + 224 x 256 = 168 x 384 registers: the consumers hold the accumulators.
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;"); }
+
+// A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
+// wgmma in flight, and releases a stage once its wgmma are done.
+template <class Op>
+struct StageConsumer {
+  int prev = -1;  // the stage whose wgmma may still run
+
+  // A: this consumer's 64 rows start a_offset bytes into the stage, a_k16_bytes between k16
+  // steps, a_leading_bytes the descriptor's leading byte offset. B is MN-major: +16 k rows =
+  // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
+  __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
+                                      uint32_t a_leading_bytes) {
+    mbar_wait(ring.full(ring.stage), ring.phase);
+    fence_cp_async_to_wgmma();  // stages (or parts) written by cp.async
+    const uint32_t a_addr = ring.a(ring.stage) + a_offset, b_addr = ring.b(ring.stage);
+    fence_accumulators(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t desc_a = gmma_desc(a_addr + k * a_k16_bytes, a_leading_bytes, 1024);
+      const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
+      gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // the previous stage's wgmma are done: release it
+    fence_accumulators(acc);
+    release(ring);
+    prev = ring.stage;
+    ring.advance();
+  }
+
+  // After a tile's last stage: its wgmma done and its stage released; acc holds the tile.
+  __device__ __forceinline__ void finish(const StageRing& ring, float (&acc)[128]) {
+    cute::warpgroup_wait<0>();
+    fence_accumulators(acc);
+    release(ring);
+    prev = -1;
+  }
+
+ private:
+  __device__ __forceinline__ void release(const StageRing& ring) const {
+    if (prev < 0) return;
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(prev));
+  }
+};
+
+}  // namespace moe::gemm::sm90
