@@ -43,6 +43,7 @@ struct Params {
   void* pre;  // nullptr: not written
   int64_t tokens, hidden, experts, rows, n, ffn;
   int activation;
+  bool stagger;  // consumer_stagger()
 };
 
 template <class T>
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
-    StageConsumer<typename GmmaOp<T>::type> consume;
+    StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
     float acc[128];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
@@ -327,6 +328,7 @@ cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream
   p.tokens = a.tokens, p.hidden = a.hidden, p.experts = a.experts, p.rows = a.rows, p.n = a.n;
   p.ffn = kGated ? a.n / 2 : a.n;
   p.activation = int(a.activation);
+  p.stagger = consumer_stagger();
   // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
   const int64_t col_tiles = kGated ? p.ffn / 128 : (a.n + kTileCols - 1) / kTileCols;
   const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);

@@ -45,6 +45,7 @@ struct Params {
   const int32_t* group_sizes;
   void* out;
   int64_t rows, k, n, groups;
+  bool stagger;  // consumer_stagger()
 };
 
 template <class T>
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
-    StageConsumer<typename GmmaOp<T>::type> consume;
+    StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
     float acc[128];
     for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, grid, group_start, group_end);
@@ -241,6 +242,7 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   Params p;
   p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;
+  p.stagger = consumer_stagger();
   const int64_t tiles = a.groups * ((a.k + kTileK - 1) / kTileK) * ((a.n + kTileN - 1) / kTileN);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
   auto kernel = grouped_wgrad_kernel<T>;

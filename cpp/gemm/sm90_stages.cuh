@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 
 #include "sm90_ptx.cuh"
@@ -74,17 +76,41 @@ struct StageRing {
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;"); }
 
+// With both consumers on one tile, both finish its wgmma together and run their epilogues while
+// the tensor cores idle. Staggered, consumer 1 issues its first stage only after consumer 0 has
+// issued its own, so their tiles end about a stage apart and each one's epilogue runs while the
+// other's last wgmma keep the tensor cores busy (the stage ring holds a stage less ahead of
+// consumer 0). On unless MOE_SM90_CONSUMER_STAGGER=0 (an A/B switch, read once per process).
+inline bool consumer_stagger() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_SM90_CONSUMER_STAGGER");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
+
+constexpr int kStaggerBarrier = 1;  // named barrier (0 is __syncthreads')
+
 // A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
 // wgmma in flight, and releases a stage once its wgmma are done.
 template <class Op>
 struct StageConsumer {
+  int consumer;    // 0 or 1
+  bool stagger;    // see consumer_stagger()
+  bool started = false;
   int prev = -1;  // the stage whose wgmma may still run
+
+  __device__ StageConsumer(int consumer_, bool stagger_) : consumer(consumer_), stagger(stagger_) {}
 
   // A: this consumer's 64 rows start a_offset bytes into the stage, a_k16_bytes between k16
   // steps, a_leading_bytes the descriptor's leading byte offset. B is MN-major: +16 k rows =
   // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
   __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
                                       uint32_t a_leading_bytes) {
+    // Both consumers make the same calls, so consumer 0 arrives exactly when consumer 1 waits.
+    const bool first = !started;
+    started = true;
+    if (first && stagger && consumer == 1) asm volatile("bar.sync %0, 256;" ::"n"(kStaggerBarrier) : "memory");
     mbar_wait(ring.full(ring.stage), ring.phase);
     fence_cp_async_to_wgmma();  // stages (or parts) written by cp.async
     const uint32_t a_addr = ring.a(ring.stage) + a_offset, b_addr = ring.b(ring.stage);
@@ -97,6 +123,7 @@ struct StageConsumer {
       gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
     }
     cute::warpgroup_commit_batch();
+    if (first && stagger && consumer == 0) asm volatile("bar.arrive %0, 256;" ::"n"(kStaggerBarrier) : "memory");
     cute::warpgroup_wait<1>();  // the previous stage's wgmma are done: release it
     fence_accumulators(acc);
     release(ring);
