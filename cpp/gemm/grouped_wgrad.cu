@@ -211,7 +211,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       // A, MN-major: this consumer's 64 rows of out are one box; +16 rows = 2048 bytes per k16.
-      for (int step = 0; step < tl.steps; ++step) consume.mma(ring, acc, consumer * kBoxBytes, 2048, kBoxBytes);
+      for (int step = 0; step < tl.steps; ++step) {
+        // A group's partial last stage: 16-row steps wholly past its end multiply zeros; skipped.
+        const int rows = min(kStepRows, tl.row_end - (tl.row0 + step * kStepRows));
+        consume.mma(ring, acc, consumer * kBoxBytes, 2048, kBoxBytes, (rows + 15) / 16);
+      }
       consume.finish(ring, acc);
       store_tile<T>(p, tl, row_in_tile, acc);
     }

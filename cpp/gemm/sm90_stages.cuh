@@ -105,29 +105,40 @@ struct StageConsumer {
   // A: this consumer's 64 rows start a_offset bytes into the stage, a_k16_bytes between k16
   // steps, a_leading_bytes the descriptor's leading byte offset. B is MN-major: +16 k rows =
   // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
+  // Only the first k16_steps of the stage's 4 are issued: the caller skips those that would
+  // multiply only zero-filled rows (the same result, less tensor-core time).
   __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
-                                      uint32_t a_leading_bytes) {
-    // Both consumers make the same calls, so consumer 0 arrives exactly when consumer 1 waits.
-    const bool first = !started;
-    started = true;
-    if (first && stagger && consumer == 1) asm volatile("bar.sync %0, 256;" ::"n"(kStaggerBarrier) : "memory");
+                                      uint32_t a_leading_bytes, int k16_steps = 4) {
+    const bool first = start();
     mbar_wait(ring.full(ring.stage), ring.phase);
     fence_cp_async_to_wgmma();  // stages (or parts) written by cp.async
     const uint32_t a_addr = ring.a(ring.stage) + a_offset, b_addr = ring.b(ring.stage);
     fence_accumulators(acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint64_t desc_a = gmma_desc(a_addr + k * a_k16_bytes, a_leading_bytes, 1024);
-      const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
-      gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
+    // A whole batch (arrive, wgmma, commit) in each branch: ptxas serialises every wgmma of the
+    // kernel when a branch splits one batch. k16_steps 0 commits an empty group, so that
+    // warpgroup_wait<1> below still means "the previous stage is done".
+    switch (k16_steps) {
+      case 3: issue<3>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes); break;
+      case 2: issue<2>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes); break;
+      case 1: issue<1>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes); break;
+      default: issue<4>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes);
     }
-    cute::warpgroup_commit_batch();
     if (first && stagger && consumer == 0) asm volatile("bar.arrive %0, 256;" ::"n"(kStaggerBarrier) : "memory");
     cute::warpgroup_wait<1>();  // the previous stage's wgmma are done: release it
     fence_accumulators(acc);
     release(ring);
     prev = ring.stage;
+    ring.advance();
+  }
+
+  // A stage whose A rows of this consumer are all padding: waited for and released, no wgmma
+  // (a branch to a loop of these, not inside mma: a batch that may be empty makes ptxas
+  // serialise every wgmma of the kernel).
+  __device__ __forceinline__ void skip(StageRing& ring) {
+    start();
+    mbar_wait(ring.full(ring.stage), ring.phase);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(ring.stage));
     ring.advance();
   }
 
@@ -140,6 +151,29 @@ struct StageConsumer {
   }
 
  private:
+  // Before the first stage. Both consumers take the same stages, so consumer 1 waits here
+  // exactly when consumer 0 arrives after issuing its first stage (in mma, a skip does not count:
+  // consumer 0 never skips, its rows come first).
+  __device__ __forceinline__ bool start() {
+    const bool first = !started;
+    started = true;
+    if (first && stagger && consumer == 1) asm volatile("bar.sync %0, 256;" ::"n"(kStaggerBarrier) : "memory");
+    return first;
+  }
+
+  template <int N>
+  __device__ __forceinline__ static void issue(float (&acc)[128], uint32_t a_addr, uint32_t b_addr, uint32_t a_k16_bytes,
+                                               uint32_t a_leading_bytes) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const uint64_t desc_a = gmma_desc(a_addr + k * a_k16_bytes, a_leading_bytes, 1024);
+      const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
+      gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+
   __device__ __forceinline__ void release(const StageRing& ring) const {
     if (prev < 0) return;
     __syncwarp();
