@@ -20,26 +20,39 @@ cases=("$@")
                              sanitize_gather_gemm_cases)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
+
+# run_tool CASE TOOL LOG [compute-sanitizer options...] [-- case script arguments...]
+run_tool() {
+  local case=$1 tool=$2 log=$3
+  shift 3
+  local opts=() args=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && args=("$@")
+  (cd /tmp && compute-sanitizer --tool "$tool" "${opts[@]}" --target-processes all --error-exitcode 99 \
+     python3 "$here/$case.py" "${args[@]}") >"$log" 2>&1
+  local rc=$?
+  echo "$case $tool${args:+ (${args[*]})}: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+  grep -q "CASES DONE" "$log" || { echo "$case $tool: the cases did not finish"; tail -5 "$log"; status=1; }
+  [ "$rc" -eq 0 ] || status=1
+}
+
 for case in "${cases[@]}"; do
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     log="$log_dir/sanitizer-$case-$tool.log"
-    filters=()
     # racecheck checks only the kernels under test, not XLA's reference GEMMs (with them it runs for
-    # many minutes). On the GEMM cases it checks CUTLASS's kernel alone: instrumenting our small
-    # setup and zero-fill kernels there stops the tool at once with an internal error
-    # (docs/grouped-gemm.md, "Sanitizers").
-    if [ "$tool" = racecheck ]; then
-      case "$case" in
-        sanitize_gemm_cases) filters=(--kernel-name kns=device_kernel) ;;
-        *) filters=(--kernel-name kns=moe) ;;
-      esac
+    # many minutes). On the GEMM cases it checks CUTLASS's kernel alone (instrumenting our small
+    # setup and zero-fill kernels there stops the tool at once with an internal error,
+    # docs/grouped-gemm.md, "Sanitizers"), and then, in a run of its own, our persistent dW kernel.
+    if [ "$tool" = racecheck ] && [ "$case" = sanitize_gemm_cases ]; then
+      cutlass_tiles=$(cd /tmp && python3 -c "from jax_moe_permute.grouped_gemm import TILES; print(' '.join(TILES))")
+      # shellcheck disable=SC2086
+      run_tool "$case" "$tool" "$log" --kernel-name kns=device_kernel -- $cutlass_tiles
+      run_tool "$case" "$tool" "$log_dir/sanitizer-$case-$tool-dw.log" --kernel-name kns=grouped_wgrad -- dw:persistent
+    elif [ "$tool" = racecheck ]; then
+      run_tool "$case" "$tool" "$log" --kernel-name kns=moe
+    else
+      run_tool "$case" "$tool" "$log"
     fi
-    (cd /tmp && compute-sanitizer --tool "$tool" "${filters[@]}" --target-processes all --error-exitcode 99 \
-       python3 "$here/$case.py") >"$log" 2>&1
-    rc=$?
-    echo "$case $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
-    grep -q "CASES DONE" "$log" || { echo "$case $tool: the cases did not finish"; tail -5 "$log"; status=1; }
-    [ "$rc" -eq 0 ] || status=1
   done
 done
 exit $status
