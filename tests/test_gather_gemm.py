@@ -154,6 +154,7 @@ def lowered_text(f, *args):
 
 GPU_SIZES = [
     [128], [1], [0, 129, 0, 127], [255, 256, 1, 0, 3], [0] * 5 + [300] + [0] * 3, [64, 200, 17, 128, 130],
+    [192, 193, 65],  # last tiles of 64 rows (consumer 1 all padding: it skips) and of 65 and 65 rows
 ]
 
 
