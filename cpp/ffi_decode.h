@@ -167,21 +167,19 @@ inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
-                                     ffi::AnyBuffer out, WeightGradArgs* a) {
-  if (ct.dimensions().size() != 3 || x.dimensions().size() != 3 ||
-      row_map.dimensions().size() != 3 || out.dimensions().size() != 3)
-    return invalid("weight_grad expects ct [B,T,H], expert_out [B,R,H], row_map [B,T,K]");
-  const int64_t batch = out.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
+// The backward ops' common arguments: ct [B,T,H] (the layer output's cotangent), x [B,R,H] (the
+// expert outputs) and row_map [B,T,K]; `name` heads the error messages.
+template <typename Args>
+ffi::Error decode_ct_and_rows(const std::string& name, ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
+                              int64_t batch, Args* a) {
+  const int64_t T = row_map.dimensions()[1], K = row_map.dimensions()[2];
   const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
-  auto cd = float_dtype(ct.element_type()), xd = float_dtype(x.element_type()),
-       od = float_dtype(out.element_type());
-  if (!cd || !xd || !od) return invalid("weight_grad: unsupported dtype");
-  if (ct.dimensions()[1] != T || ct.dimensions()[2] != H) return invalid("weight_grad: bad shapes");
+  auto cd = float_dtype(ct.element_type()), xd = float_dtype(x.element_type());
+  if (!cd || !xd) return invalid(name + ": unsupported dtype");
+  if (ct.dimensions()[1] != T || ct.dimensions()[2] != H) return invalid(name + ": bad shapes");
   MOE_STRIDE(ct_stride, ct, T * H);
   MOE_STRIDE(x_stride, x, R * H);
   MOE_STRIDE(rm_stride, row_map, T * K);
-  *a = WeightGradArgs{};
   a->ct = ct.untyped_data();
   a->ct_dtype = *cd;
   a->ct_bstride = ct_stride;
@@ -189,6 +187,18 @@ inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buf
   a->rows = R;
   set_row_map(a, row_map, rm_stride);
   set_shape(a, batch, T, K, H);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_weight_grad(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32Buffer row_map,
+                                     ffi::AnyBuffer out, WeightGradArgs* a) {
+  if (ct.dimensions().size() != 3 || x.dimensions().size() != 3 ||
+      row_map.dimensions().size() != 3 || out.dimensions().size() != 3)
+    return invalid("weight_grad expects ct [B,T,H], expert_out [B,R,H], row_map [B,T,K]");
+  auto od = float_dtype(out.element_type());
+  if (!od) return invalid("weight_grad: unsupported dtype");
+  *a = WeightGradArgs{};
+  if (auto e = decode_ct_and_rows("weight_grad", ct, x, row_map, out.dimensions()[0], a); e.failure()) return e;
   a->out = out.untyped_data();
   a->out_dtype = *od;
   return ffi::Error::Success();
@@ -201,27 +211,16 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
       weights.dimensions().size() != 3 || out_x.dimensions().size() != 3 || out_w.dimensions().size() != 3)
     return invalid("unpermute_bwd expects ct [B,T,H], expert_out [B,R,H], row_map and weights [B,T,K]");
   const int64_t batch = out_x.dimensions()[0], T = row_map.dimensions()[1], K = row_map.dimensions()[2];
-  const int64_t R = x.dimensions()[1], H = x.dimensions()[2];
-  auto cd = float_dtype(ct.element_type()), xd = float_dtype(x.element_type()), wd = float_dtype(weights.element_type()),
-       oxd = float_dtype(out_x.element_type()), owd = float_dtype(out_w.element_type());
-  if (!cd || !xd || !wd || !oxd || !owd) return invalid("unpermute_bwd: unsupported dtype");
-  if (ct.dimensions()[1] != T || ct.dimensions()[2] != H || out_x.dimensions()[1] != R ||
-      out_x.dimensions()[2] != H || out_w.dimensions()[0] != batch || out_w.dimensions()[1] != T ||
-      out_w.dimensions()[2] != K)
+  auto wd = float_dtype(weights.element_type()), oxd = float_dtype(out_x.element_type()),
+       owd = float_dtype(out_w.element_type());
+  if (!wd || !oxd || !owd) return invalid("unpermute_bwd: unsupported dtype");
+  if (out_x.dimensions()[1] != x.dimensions()[1] || out_x.dimensions()[2] != x.dimensions()[2] ||
+      out_w.dimensions()[0] != batch || out_w.dimensions()[1] != T || out_w.dimensions()[2] != K)
     return invalid("unpermute_bwd: bad shapes");
-  MOE_STRIDE(ct_stride, ct, T * H);
-  MOE_STRIDE(x_stride, x, R * H);
-  MOE_STRIDE(rm_stride, row_map, T * K);
   MOE_STRIDE(w_stride, weights, T * K);
   *a = UnpermuteBwdArgs{};
-  a->ct = ct.untyped_data();
-  a->ct_dtype = *cd;
-  a->ct_bstride = ct_stride;
-  set_x(a, x, *xd, x_stride);
-  a->rows = R;
-  set_row_map(a, row_map, rm_stride);
+  if (auto e = decode_ct_and_rows("unpermute_bwd", ct, x, row_map, batch, a); e.failure()) return e;
   set_weights(a, weights.untyped_data(), *wd, w_stride);
-  set_shape(a, batch, T, K, H);
   a->out_x = out_x.untyped_data();
   a->out_x_dtype = *oxd;
   a->out_w = out_w.untyped_data();
@@ -229,8 +228,6 @@ inline ffi::Error decode_unpermute_bwd(ffi::AnyBuffer ct, ffi::AnyBuffer x, I32B
   set_workspace(a, workspace);
   return ffi::Error::Success();
 }
-
-#undef MOE_STRIDE
 
 inline ffi::Error decode_router(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, int64_t top_k, int64_t scoring,
                                 int64_t renormalize, int64_t num_groups, int64_t topk_groups, int64_t has_bias,
