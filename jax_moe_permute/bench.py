@@ -35,8 +35,8 @@ import numpy as np
 import jax_moe_permute as jmp
 
 from . import bench_decode, bench_ep, bench_gemm, bench_layer, bench_memory
-from .bench_timing import (copy_ceiling_tbps, device_us, on_gpu, op_ceiling_tbps, progress, same_bytes_copy_tbps,
-                           save_rows)
+from .bench_timing import (copy_ceiling_tbps, device_us, figure, on_gpu, op_ceiling_tbps, progress,
+                           same_bytes_copy_tbps, save_figure, save_rows, text_table)
 
 MODELS = {  # name: (E, K, H, token counts)
     "mixtral": (8, 2, 4096, (1, 64, 2048, 4096, 32768)),
@@ -131,22 +131,15 @@ def format_table(rows) -> str:
     """% ceil: against op_ceiling_tbps (module docstring); % mem: against the large copy alone."""
     head = (f"{'model':9} {'T':>6} {'op':14} {'us':>9} {'ref us':>9} {'speed-up':>8} {'TB/s':>6} "
             f"{'ceil TB/s':>9} {'% ceil':>6} {'% mem':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['model']:9} {r['T']:>6} {r['op']:14} {r['us']:9.1f} {r['ref_us']:9.1f} "
-                     f"{r['ref_us'] / r['us']:7.2f}x {r['TBps']:6.2f} {r['ceil_TBps']:9.2f} "
-                     f"{100 * r['TBps'] / r['ceil_TBps']:5.0f}% {100 * r['TBps'] / r['copy_TBps']:5.0f}%")
-    return "\n".join(lines)
+    return text_table(head, (f"{r['model']:9} {r['T']:>6} {r['op']:14} {r['us']:9.1f} {r['ref_us']:9.1f} "
+                             f"{r['ref_us'] / r['us']:7.2f}x {r['TBps']:6.2f} {r['ceil_TBps']:9.2f} "
+                             f"{100 * r['TBps'] / r['ceil_TBps']:5.0f}% {100 * r['TBps'] / r['copy_TBps']:5.0f}%"
+                             for r in rows))
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    fig, axes = figure(1, len(models), 5, 4)
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         for op in dict.fromkeys(r["op"] for r in mine):
@@ -161,8 +154,7 @@ def plot(rows, path: str) -> None:
         ax.set(xscale="log", xlabel="tokens T", ylabel="TB/s", title=model)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

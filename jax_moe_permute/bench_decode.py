@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import layer
-from .bench_timing import (cell, copy_ceiling_tbps, device_us, jitted_copy_tbps, none_if_out_of_memory, on_gpu,
-                           progress, ratio, save_rows)
+from .bench_timing import (cell, copy_ceiling_tbps, device_us, figure, jitted_copy_tbps, none_if_out_of_memory,
+                           on_gpu, progress, ratio, save_figure, save_rows, text_table)
 from .routing import route_tokens
 
 OPS = ("decode",)
@@ -404,17 +404,12 @@ def format_row(r) -> str:
 
 
 def format_table(rows) -> str:
-    return "\n".join([HEADER, "-" * len(HEADER)] + [format_row(r) for r in rows])
+    return text_table(HEADER, map(format_row, rows))
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    fig, axes = figure(2, len(models), 5, 4)
     for col, model in enumerate(models):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["T"])
         ax = axes[0][col]
@@ -442,8 +437,7 @@ def plot(rows, path: str) -> None:
         ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time / weight-read bound")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def free(params: dict) -> None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
-from .bench_timing import copy_ceiling_tbps, device_us_or_none, on_gpu, save_rows
+from .bench_timing import copy_ceiling_tbps, device_us_or_none, figure, on_gpu, save_figure, save_rows
 
 OPS = ("ragged_dot", "ragged_dot_bwd")
 # name: (experts G, top-k, rows per expert at uniform routing, K, N)
@@ -176,14 +176,9 @@ HEADER = (f"{'problem':13} {'groups':8} {'op':14} {'M':>6} {'us':>10} {'TFLOP/s'
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kinds = [k for k in dict.fromkeys(r["groups"] for r in rows) if not k.startswith("decode")]
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    fig, axes = plt.subplots(1, len(ops) + 1, figsize=(6 * (len(ops) + 1), 4.5), squeeze=False)
+    fig, axes = figure(1, len(ops) + 1, 6, 4.5)
     for ax, op in zip(axes[0], ops):
         names = list(PROBLEMS)
         x = np.arange(len(names))
@@ -209,8 +204,7 @@ def plot(rows, path: str) -> None:
     ax.set(xscale="log", xlabel="decode tokens T", ylabel="time / weight-read bound", title="decode forward")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

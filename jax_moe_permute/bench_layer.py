@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import layer, reference
-from .bench_timing import (cell, copy_ceiling_tbps, device_us_or_none, none_if_out_of_memory, on_gpu, progress, ratio,
-                           save_rows)
+from .bench_timing import (cell, copy_ceiling_tbps, device_us_or_none, figure, none_if_out_of_memory, on_gpu,
+                           progress, ratio, save_figure, save_rows, text_table)
 from .grouped_gemm import ragged_dot
 from . import ops as jmp_ops
 from .routing import route
@@ -209,17 +209,12 @@ def format_row(r) -> str:
 
 
 def format_table(rows) -> str:
-    return "\n".join([HEADER, "-" * len(HEADER)] + [format_row(r) for r in rows])
+    return text_table(HEADER, map(format_row, rows))
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    fig, axes = figure(2, len(models), 5, 4)
     for col, model in enumerate(models):
         mine = [r for r in rows if r["model"] == model]
         ax = axes[0][col]
@@ -246,8 +241,7 @@ def plot(rows, path: str) -> None:
             bottom += share
         ax.set(xlabel="tokens T", ylabel="share of forward time (ours)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
 """What every benchmark module shares: timing a jitted call (CUPTI kernel time on GPU, wall clock
-elsewhere), tolerating out-of-memory shapes, the copy ceilings, and writing rows as they come.
+elsewhere), tolerating out-of-memory shapes, the copy ceilings, and writing rows, tables and
+figures.
 
 bench.py, bench_gemm.py, bench_layer.py and bench_decode.py import this module; it imports none
 of them.
@@ -206,6 +207,27 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def cell(x, spec: str, missing: str = "-") -> str:
     """A table cell: x formatted, or `missing` right-aligned to the spec's width."""
     return format(x, spec) if x is not None else missing.rjust(int(re.match(r"\d*", spec).group() or 0))
+
+
+def text_table(header: str, lines) -> str:
+    """The header, a rule under it and the rows' lines."""
+    return "\n".join([header, "-" * len(header), *lines])
+
+
+def figure(nrows: int, ncols: int, width: float, height: float):
+    """A matplotlib figure for a file (the Agg backend) and its nrows x ncols axes, each width x height
+    inches (matplotlib is imported only here: the benchmarks run without it unless asked to plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def save_rows(rows, path: str) -> None:
