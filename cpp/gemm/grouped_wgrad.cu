@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
             for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
+            mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
           }
-          mbar_arrive(full);
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
           copy_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
           copy_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end, row_sub, chunk);

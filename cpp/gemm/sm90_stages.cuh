@@ -29,7 +29,9 @@ constexpr int kBOffset = kStages * kStageABytes;
 constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
 constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
 constexpr int kConsumerWarps = 8;
-constexpr int kFullArrivals = 128 + 1;  // one per producer thread (cp.async or plain) + thread 0's TMA expect-tx
+// One per producer thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
+// all in one) + thread 0's TMA expect-tx.
+constexpr int kFullArrivals = 128 + 1;
 
 // Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
 constexpr int stage_ring_smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
