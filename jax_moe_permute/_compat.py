@@ -69,6 +69,17 @@ def lowers_for_many_devices(ctx) -> bool:
     return mesh is not None and mesh.size > 1
 
 
+def lowers_per_device(ctx) -> bool:
+    """Whether every device runs the computation a lowering rule emits into as a program of its
+    own, so that a custom call needs no partitioning rule: one device, or a shard_map manual over
+    every axis of its mesh."""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    mesh, manual = getattr(axis_context, "mesh", None), getattr(axis_context, "manual_axes", None)
+    if mesh is not None and manual is not None:
+        return set(mesh.axis_names) <= set(manual)
+    return not lowers_for_many_devices(ctx)
+
+
 def require_devices_at_lowering(*primitives) -> None:
     """Marks primitives whose lowering emits `custom_partitioning`: jax must then fix the
     device assignment before lowering, as it does for `custom_partitioning` itself (the

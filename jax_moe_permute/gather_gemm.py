@@ -114,7 +114,7 @@ def _abstract(x, row_token, group_sizes, w, *, activation, save_pre):
 
 def _lower_cuda(ctx, x, row_token, group_sizes, w, *, activation, save_pre):
     x_aval, token_aval, _, w_aval = ctx.avals_in
-    if (_compat.lowers_for_many_devices(ctx) or token_aval.shape[0] == 0
+    if (not _compat.lowers_per_device(ctx) or token_aval.shape[0] == 0
             or not kernel_fits(x_aval, w_aval, token_aval.shape[0], activation)):
         return _lower_unfused(ctx, x, row_token, group_sizes, w, activation=activation, save_pre=save_pre)
     call = jax.ffi.ffi_lowering(_native.target("gather_gemm"))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from . import decode_mlp, gather_gemm, ops, primitives
+from . import decode_mlp, gather_gemm, gemm_primitives, ops, primitives
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -48,12 +48,62 @@ def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: 
                activation: str = "swiglu", matmul: Callable = ragged_dot) -> jax.Array:
     """Each group's MLP on its rows: rows [R, H] grouped by expert (group_sizes [L]), w_in
     [L, H, 2F] (gated) or [L, H, F], w_out [L, F, H'] -> [R, H']. This is the `expert_fn` that
-    expert parallelism calls on a device's local experts."""
+    expert parallelism calls on a device's local experts. With MOE_GATHER_GEMM=1, where the fused
+    first GEMM runs (gather_gemm.py), the activation is applied in its epilogue."""
+    if matmul is ragged_dot and _fuses_activation(rows, w_in, activation):
+        return _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation)
     gate_up = matmul(rows, w_in, group_sizes)
     # The backward keeps gate_up (and the inputs) and recomputes the activation, instead of
     # keeping the activation's output and its intermediates.
     second = jax.checkpoint(lambda g, w: matmul(apply_activation(g, activation), w, group_sizes))
     return second(gate_up, w_out)
+
+
+def _fuses_activation(rows, w_in, activation) -> bool:
+    """Whether expert_mlp's first GEMM takes gather_gemm's kernel (reading the rows in order)."""
+    return (gather_gemm.layer_enabled() and rows.ndim == 2 and rows.shape[0] > 0
+            and gather_gemm.kernel_fits(rows, w_in, rows.shape[0], activation)
+            and not gemm_primitives.use_decode_kernel(1, rows.shape[0], w_in.shape[0]))
+
+
+def _in_order(rows):
+    return jnp.arange(rows.shape[0], dtype=jnp.int32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation):
+    """expert_mlp with the activation in the first GEMM's epilogue. Its JVP keeps what the plain
+    one does (the inputs and gate_up, the activation recomputed in the backward); the primal runs
+    the fused kernel, the tangent the composition."""
+    h, _ = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation)
+    return ragged_dot(h, w_out, group_sizes)
+
+
+@functools.partial(_fused_expert_mlp.defjvp, symbolic_zeros=True)
+def _fused_expert_mlp_jvp(activation, primals, tangents):
+    rows, group_sizes, w_in, w_out = primals
+    drows, _, dw_in, dw_out = (t if _live(t) else None for t in tangents)
+    h, gate_up = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation,
+                                         save_pre=True)
+    out = ragged_dot(h, w_out, group_sizes)
+    d_gate_up = [ragged_dot(a, b, group_sizes) for a, b in ((drows, w_in), (rows, dw_in)) if a is not None and b is not None]
+    if not d_gate_up and dw_out is None:
+        return out, jnp.zeros_like(out)
+
+    @jax.checkpoint  # keeps gate_up; the activation and its derivative are recomputed in the backward
+    def d_out(gate_up, d_gate_up, dw_out):
+        act = lambda g: apply_activation(g, activation)
+        terms = []
+        if d_gate_up is not None:
+            h, dh = jax.jvp(act, (gate_up,), (d_gate_up,))
+            terms.append(ragged_dot(dh, w_out, group_sizes))
+        else:
+            h = act(gate_up)
+        if dw_out is not None:
+            terms.append(ragged_dot(h, dw_out, group_sizes))
+        return sum(terms[1:], terms[0])
+
+    return out, d_out(gate_up, sum(d_gate_up[1:], d_gate_up[0]) if d_gate_up else None, dw_out)
 
 
 def check_expert_weights(w_in, w_out, hidden_size: int, activation: str, where: str = "moe_mlp") -> None:

@@ -6,6 +6,10 @@ groups empty / one row / around the 128-row tile, tokens out of range, rows past
 the K tail of H, bitwise reproducible, equal to the unfused path to rounding."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +135,87 @@ def test_layer_branch_matches_dense(monkeypatch, activation, with_map):
         assert_allclose(a, b, 1e-4)
 
 
+def expert_mlp_inputs(activation, dtype=jnp.float32, R=45, G=4, H=8, F=6):
+    rows = random_float((R, H), dtype)
+    sizes = jnp.asarray([11, 0, 20, 9], jnp.int32)[:G]  # 5 rows past the sum
+    w_in = random_float((G, H, 2 * F if GATED[activation] else F), dtype, 0.5)
+    w_out = random_float((G, F, H), dtype, 0.5)
+    return rows, sizes, w_in, w_out
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_expert_mlp_branch_matches_plain(monkeypatch, activation):
+    """expert_mlp's fused-activation branch (the primitive on rows in order, its own JVP), forced
+    where the kernel does not run, against the plain composition: forward, jax.grad w.r.t. rows and
+    both weights, a JVP in every argument, vmap, and under jax.checkpoint."""
+    rows, sizes, w_in, w_out = expert_mlp_inputs(activation)
+    plain = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
+    monkeypatch.setattr(layer, "_fuses_activation", lambda *a: True)
+    fused = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
+    assert "custom_jvp_call" in str(jax.make_jaxpr(fused)(rows, w_in, w_out))
+    args = (rows, w_in, w_out)
+    assert_allclose(jax.jit(fused)(*args), plain(*args), 1e-5)
+    ct = random_float(rows.shape, jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    for wrap in (lambda f: f, jax.checkpoint):
+        for a, b in zip(jax.jit(jax.grad(wrap(loss(fused)), (0, 1, 2)))(*args), jax.grad(loss(plain), (0, 1, 2))(*args)):
+            assert_allclose(a, b, 1e-4)
+    tangents = tuple(random_float(a.shape, a.dtype) for a in args)
+    for a, b in zip(jax.jvp(fused, args, tangents), jax.jvp(plain, args, tangents)):
+        assert_allclose(a, b, 1e-4)
+    for a, b in zip(jax.jvp(lambda wo: fused(rows, w_in, wo), (w_out,), (tangents[2],)),
+                    jax.jvp(lambda wo: plain(rows, w_in, wo), (w_out,), (tangents[2],))):
+        assert_allclose(a, b, 1e-4)  # only w_out moves: the other tangents are symbolic zeros
+    batch = jnp.stack([rows, 2 * rows])
+    assert_allclose(jax.vmap(fused, (0, None, None))(batch, w_in, w_out),
+                    jax.vmap(plain, (0, None, None))(batch, w_in, w_out), 1e-5)
+
+
+LOWERS_PER_DEVICE = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jax_moe_permute import _compat
+
+    seen = []
+    probe = Primitive("lowers_per_device_probe")
+    probe.def_abstract_eval(lambda x: x)
+    probe.def_impl(lambda x: x)
+
+    def lower(ctx, x):
+        seen.append(_compat.lowers_per_device(ctx))
+        return [x]
+
+    mlir.register_lowering(probe, lower)
+    devices = np.array(jax.devices()[:2])
+    assert len(devices) == 2
+    jax.jit(probe.bind).lower(jnp.ones(4))
+    two = Mesh(devices, ("e",))
+    jax.jit(jax.shard_map(probe.bind, mesh=two, in_specs=P("e"), out_specs=P("e"))).lower(jnp.ones(4))
+    grid = Mesh(devices.reshape(2, 1), ("e", "t"))
+    partial = jax.shard_map(probe.bind, mesh=grid, in_specs=P("e"), out_specs=P("e"), axis_names={"e"})
+    jax.jit(partial).lower(jnp.ones(4))
+    assert seen == [True, True, False], seen
+    print("OK")
+""")
+
+
+def test_lowers_per_device_inside_shard_map():
+    """gather_gemm's kernel may be emitted as it is on one device and inside a shard_map manual over
+    every mesh axis (each device runs its own program), not where the SPMD partitioner would have
+    to split it (a shard_map manual over some axes only). Two CPU devices, in a subprocess: the
+    device count is fixed when jax starts."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(jmp.__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-c", LOWERS_PER_DEVICE], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 def test_routing_rows_tokens():
     """Each row's token, -1 past the routed rows (dropped ids), and the permute's own layout."""
     x = random_float((5, 3), jnp.float32)
@@ -187,6 +272,32 @@ def test_kernel_wide_and_reproducible():
     assert_allclose(pre / scale, want_pre / scale, 1e-2)
     out_scale = float(jnp.abs(want_out.astype(jnp.float32)).max())  # out grows like pre^2 (gate * up)
     assert_allclose(out / out_scale, want_out / out_scale, 2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_expert_mlp_uses_kernel(monkeypatch, activation):
+    """expert_mlp (moe_ep's expert_fn) applies the activation in the fused kernel's epilogue once
+    enabled, forward and under jax.grad, equal to its plain composition to rounding."""
+    rows, sizes, w_in, w_out = expert_mlp_inputs(activation, jnp.bfloat16, R=300, H=128, F=128)
+    sizes = jnp.asarray([100, 0, 130, 60], jnp.int32)
+    f = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
+    monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
+    assert TARGET not in lowered_text(f, rows, w_in, w_out)
+    want = jax.jit(f)(rows, w_in, w_out)
+    ct = random_float(rows.shape, jnp.float32)
+    loss = lambda r, wi, wo: jnp.sum(f(r, wi, wo).astype(jnp.float32) * ct)
+    want_grads = jax.jit(jax.grad(loss, (0, 1, 2)))(rows, w_in, w_out)
+    monkeypatch.setenv("MOE_GATHER_GEMM", "1")
+    assert TARGET in lowered_text(f, rows, w_in, w_out)
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    assert TARGET in grad.lower(rows, w_in, w_out).as_text()
+    scale = float(jnp.abs(want.astype(jnp.float32)).max())
+    got = jax.jit(lambda *a: f(*a))(rows, w_in, w_out)  # traced afresh, with the branch on
+    assert_allclose(got.astype(jnp.float32) / scale, want.astype(jnp.float32) / scale, 2e-2)
+    for a, b in zip(grad(rows, w_in, w_out), want_grads):
+        s = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-6)
+        assert_allclose(a.astype(jnp.float32) / s, b.astype(jnp.float32) / s, 2e-2)
 
 
 @needs_gpu
