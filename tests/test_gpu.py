@@ -159,3 +159,60 @@ def test_decode_step_graph_replay(tokens, flags):
     if tokens <= 8:  # the fused router (product and choice) is in the step
         assert "jax_moe_permute.router_hidden" in out.stdout, out.stdout
     print(out.stdout)
+
+
+# A training step on the hand-written graph-safe kernels (the fused first GEMM, our persistent dW
+# kernel): jit(grad) compiled once, called on new inputs in new buffers, against float32 grads.
+TRAIN_STEP_SCRIPT = textwrap.dedent("""
+    import os, re
+    os.environ["MOE_GATHER_GEMM"] = "1"
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = "persistent"
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_moe_permute as jmp
+    from jax_moe_permute.layer import reference_moe_mlp
+    T, E, K, H, F = 512, 16, 4, 256, 128
+
+    def loss(mlp, dtype):
+        def f(x, weights, ids, w_in, w_out, ct):
+            y = mlp(x.astype(dtype), weights, ids, w_in.astype(dtype), w_out.astype(dtype))
+            return jnp.sum(y.astype(jnp.float32) * ct)
+        return jax.grad(f, (0, 1, 3, 4))
+
+    shapes = ((T, H), (T, K), (T, K), (E, H, 2 * F), (E, F, H), (T, H))
+    dtypes = (jnp.bfloat16, jnp.float32, jnp.int32, jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    compiled = jax.jit(loss(jmp.moe_mlp, jnp.bfloat16)).lower(
+        *(jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes))).compile()
+    text = compiled.as_text()
+    print("CUSTOM_CALLS", sorted(set(re.findall(r'custom_call_target="(jax_moe_permute[.a-z_0-9]*)"', text))))
+    ref = jax.jit(loss(reference_moe_mlp, jnp.float32))
+    for i in range(4):  # fresh arrays each call: new inputs at new buffer addresses
+        k = jax.random.split(jax.random.PRNGKey(200 + i), 6)
+        x = jax.random.normal(k[0], (T, H), jnp.float32).astype(jnp.bfloat16)
+        weights = jax.random.uniform(k[1], (T, K), jnp.float32)
+        ids = jax.random.randint(k[2], (T, K), 0, E)
+        w_in = (jax.random.normal(k[3], (E, H, 2 * F), jnp.float32) / 16).astype(jnp.bfloat16)
+        w_out = (jax.random.normal(k[4], (E, F, H), jnp.float32) / 11).astype(jnp.bfloat16)
+        ct = jax.random.normal(k[5], (T, H), jnp.float32)
+        args = (x, weights, ids, w_in, w_out, ct)
+        for name, got, want in zip(("x", "weights", "w_in", "w_out"), compiled(*args), ref(*args)):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-6)
+            assert err < 3e-2, (i, name, err)
+    print("REPLAYED")
+""")
+
+
+@needs_gpu
+@pytest.mark.parametrize("flags", ["", " --xla_gpu_graph_min_graph_size=1"])
+def test_train_step_graph_replay_on_our_kernels(flags):
+    """The fused first GEMM and our dW kernel are graph-safe: a jit(grad) of the layer that runs
+    both, under XLA's command buffers, stays right on new inputs in new buffers."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + flags).strip()
+    out = subprocess.run([sys.executable, "-c", TRAIN_STEP_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REPLAYED" in out.stdout
+    for target in ("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90"):
+        assert target in out.stdout, out.stdout
+    print(out.stdout)
