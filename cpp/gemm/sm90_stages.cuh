@@ -107,8 +107,8 @@ struct StageConsumer {
   // A: this consumer's 64 rows start a_offset bytes into the stage, a_k16_bytes between k16
   // steps, a_leading_bytes the descriptor's leading byte offset. B is MN-major: +16 k rows =
   // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
-  // Only the first k16_steps of the stage's 4 are issued: the caller skips those that would
-  // multiply only zero-filled rows (the same result, less tensor-core time).
+  // Only the first k16_steps (1-4) of the stage's 4 are issued: the caller skips those that
+  // would multiply only zero-filled rows (the same result, less tensor-core time).
   __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
                                       uint32_t a_leading_bytes, int k16_steps = 4) {
     const bool first = start();
@@ -116,9 +116,9 @@ struct StageConsumer {
     fence_cp_async_to_wgmma();  // stages (or parts) written by cp.async
     const uint32_t a_addr = ring.a(ring.stage) + a_offset, b_addr = ring.b(ring.stage);
     fence_accumulators(acc);
-    // A whole batch (arrive, wgmma, commit) in each branch: ptxas serialises every wgmma of the
-    // kernel when a branch splits one batch. k16_steps 0 commits an empty group, so that
-    // warpgroup_wait<1> below still means "the previous stage is done".
+    // A whole, non-empty batch (arrive, wgmma, commit) in each branch: ptxas serialises every
+    // wgmma of the kernel when a branch splits a batch or may leave it empty
+    // (tests/test_kernel_build.py).
     switch (k16_steps) {
       case 3: issue<3>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes); break;
       case 2: issue<2>(acc, a_addr, b_addr, a_k16_bytes, a_leading_bytes); break;
