@@ -67,7 +67,7 @@ for name in NAMES:
               f"({flop / t_dense / 1e6:.0f} TFLOP/s); write {write_us:.1f} us; max rel diff {diff:.1e}",
               file=LOG, flush=True)
 
-# The layer: jit(grad) of moe_mlp (x, gates, both weights) with each kernel, Qwen3 at T = 4096.
+# The layer: jit(grad) of moe_mlp (x, gates, both weights) with each dW kernel, Qwen3 at T = 4096.
 if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
     from jax_moe_permute import layer, routing
     from jax_moe_permute.bench_layer import MODELS
@@ -82,14 +82,19 @@ if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
         r = routing.route(jax.random.normal(ks[3], (T, E), jnp.float32), K)
         ct = jax.random.normal(ks[4], (T, H), jnp.float32)
         times, grads = {}, {}
-        for kernel in KERNELS:
+        # + gather: the fused first GEMM too (MOE_GATHER_GEMM=1, read when the layer is traced):
+        # every GEMM of the layer but d lhs on our hand-written kernels.
+        for config, kernel, gathers in (("cutlass", "cutlass", "0"), ("persistent", "persistent", "0"),
+                                        ("persistent + gather", "persistent", "1")):
             select(kernel)
+            os.environ["MOE_GATHER_GEMM"] = gathers
             loss = lambda x, w, wi, wo: jnp.vdot(layer.moe_mlp(x, w, r.ids, wi, wo).astype(jnp.float32), ct)
             g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-            grads[kernel] = g(x, r.weights, w_in, w_out)
-            times[kernel] = med(g, x, r.weights, w_in, w_out)
+            grads[config] = g(x, r.weights, w_in, w_out)
+            times[config] = med(g, x, r.weights, w_in, w_out)
+        os.environ["MOE_GATHER_GEMM"] = "0"
         diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
                          jnp.max(jnp.abs(b.astype(jnp.float32))))
-                   for k in KERNELS for a, b in zip(grads[k], grads["cutlass"]))
+                   for k in grads for a, b in zip(grads[k], grads["cutlass"]))
         each = ", ".join(f"{k} dW {t:.0f} us (x{times['cutlass'] / t:.3f})" for k, t in times.items())
         print(f"{model} T={T} layer jit(grad): {each}; max rel diff {diff:.1e}", file=LOG, flush=True)
