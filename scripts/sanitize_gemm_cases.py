@@ -25,6 +25,7 @@ CASES = [  # (M, K, N, group sizes)
     (5, 32, 16, [0, 2, 0, 0, 3, 0, 0, 0]),  # decode-like
     (0, 16, 8, [0, 0]),  # no rows
     (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
+    (150, 128, 192, [40, 20, 55, 0, 17]),  # partial stages issuing 3, 2, 4 and 2 of their 16-row steps
 ]
 # The weight gradient's opt-in alternative (docs/grouped-gemm.md): our persistent kernel.
 DW_VARIANTS = {"dw:persistent": ("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")}
