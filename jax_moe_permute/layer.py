@@ -86,8 +86,11 @@ def _fused_expert_mlp_jvp(activation, primals, tangents):
     h, gate_up = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation,
                                          save_pre=True)
     out = ragged_dot(h, w_out, group_sizes)
-    d_gate_up = [ragged_dot(a, b, group_sizes) for a, b in ((drows, w_in), (rows, dw_in)) if a is not None and b is not None]
-    if not d_gate_up and dw_out is None:
+    d_gate_up = None if drows is None else ragged_dot(drows, w_in, group_sizes)
+    if dw_in is not None:
+        d_in = ragged_dot(rows, dw_in, group_sizes)
+        d_gate_up = d_in if d_gate_up is None else d_gate_up + d_in
+    if d_gate_up is None and dw_out is None:
         return out, jnp.zeros_like(out)
 
     @jax.checkpoint  # keeps gate_up; the activation and its derivative are recomputed in the backward
@@ -103,7 +106,7 @@ def _fused_expert_mlp_jvp(activation, primals, tangents):
             terms.append(ragged_dot(h, dw_out, group_sizes))
         return sum(terms[1:], terms[0])
 
-    return out, d_out(gate_up, sum(d_gate_up[1:], d_gate_up[0]) if d_gate_up else None, dw_out)
+    return out, d_out(gate_up, d_gate_up, dw_out)
 
 
 def check_expert_weights(w_in, w_out, hidden_size: int, activation: str, where: str = "moe_mlp") -> None:
