@@ -175,8 +175,8 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
     """Static choice of the weight gradient's kernel: CUTLASS's (the default) or, with
     MOE_GROUPED_GEMM_DW_KERNEL=persistent read when the call is lowered, our persistent one
-    (cpp/gemm/grouped_wgrad.cu; graph-safe, bit-identical output, but 0.68-0.76x CUTLASS's rate on
-    the H200: docs/design-notes.md, "Grouped GEMM tiles", item 8)."""
+    (cpp/gemm/grouped_wgrad.cu; graph-safe; its first build ran at 0.68-0.76x CUTLASS's rate on the
+    H200 and the rebuild is not yet measured: docs/design-notes.md, "Grouped GEMM tiles", item 8)."""
     if os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass") != "persistent" or batch != 1:
         return False
     return (_native.has_target("cuda", "ragged_dot_wgrad_sm90")

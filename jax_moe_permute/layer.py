@@ -196,7 +196,7 @@ def moe_mlp(
 # out = sum_k (h'_k @ w_out), so d w_k = <(d out) @ w_out^T, h_k>. The forward (what inference
 # and the JVP's primal run) gathers the rows inside the first GEMM and applies the activation in
 # its epilogue where that kernel runs and is enabled (gather_gemm.py: sm_90, bf16/f16,
-# opt-in with MOE_GATHER_GEMM=1: correct on the H200 but not yet faster), for decode-sized calls
+# opt-in with MOE_GATHER_GEMM=1 until measured faster), for decode-sized calls
 # runs the fused decode MLP (decode_mlp.py), and is the plain composition elsewhere; the tangent
 # equals the composition's derivative to rounding, and derivatives of any order go through the
 # same kernels.
