@@ -56,10 +56,10 @@ def layer_enabled() -> bool:
     return os.environ.get("MOE_GATHER_GEMM", "0") == "1"
 
 
-def layer_kernel_applies(x, ids, w_in, activation: str) -> bool:
-    """Whether `layer.moe_mlp` runs its first GEMM on the fused kernel: enabled, it fits, and the
-    call is not decode-sized (those take the decode kernels)."""
-    rows = x.shape[0] * ids.shape[1]
+def layer_kernel_applies(x, w_in, rows: int, activation: str) -> bool:
+    """Whether the layer (`moe_mlp`, `expert_mlp`) runs a first GEMM of `rows` rows read from x on
+    the fused kernel: enabled, it fits, and the call is not decode-sized (those take the decode
+    kernels)."""
     return (layer_enabled() and rows > 0 and kernel_fits(x, w_in, rows, activation)
             and not gemm_primitives.use_decode_kernel(1, rows, w_in.shape[0]))
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from . import decode_mlp, gather_gemm, gemm_primitives, ops, primitives
+from . import decode_mlp, gather_gemm, ops, primitives
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -61,9 +61,7 @@ def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: 
 
 def _fuses_activation(rows, w_in, activation) -> bool:
     """Whether expert_mlp's first GEMM takes gather_gemm's kernel (reading the rows in order)."""
-    return (gather_gemm.layer_enabled() and rows.ndim == 2 and rows.shape[0] > 0
-            and gather_gemm.kernel_fits(rows, w_in, rows.shape[0], activation)
-            and not gemm_primitives.use_decode_kernel(1, rows.shape[0], w_in.shape[0]))
+    return rows.ndim == 2 and gather_gemm.layer_kernel_applies(rows, w_in, rows.shape[0], activation)
 
 
 def _in_order(rows):
@@ -92,21 +90,33 @@ def _fused_expert_mlp_jvp(activation, primals, tangents):
         d_gate_up = d_in if d_gate_up is None else d_gate_up + d_in
     if d_gate_up is None and dw_out is None:
         return out, jnp.zeros_like(out)
+    return out, _second_gemm_tangent(activation, group_sizes, w_out, gate_up, d_gate_up, dw_out)
 
-    @jax.checkpoint  # keeps gate_up; the activation and its derivative are recomputed in the backward
-    def d_out(gate_up, d_gate_up, dw_out):
+
+def _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows=None, dw_rows=None):
+    """The tangent of ragged_dot(w_rows * act(gate_up), w_out) (w_rows [R, 1], the gates in row
+    order, or none) for the tangents of gate_up, w_out and w_rows (each may be None). Checkpointed:
+    the backward keeps gate_up and w_rows and recomputes h and w * h."""
+
+    @jax.checkpoint
+    def tangent(gate_up, w_rows, d_gate_up, dw_rows, dw_out):
         act = lambda g: apply_activation(g, activation)
-        terms = []
+        weigh = (lambda a: a) if w_rows is None else (lambda a: w_rows * a)
+        terms, dh_weighted = [], None
         if d_gate_up is not None:
             h, dh = jax.jvp(act, (gate_up,), (d_gate_up,))
-            terms.append(ragged_dot(dh, w_out, group_sizes))
+            dh_weighted = weigh(dh)
         else:
             h = act(gate_up)
+        if dw_rows is not None:
+            dh_weighted = dw_rows * h if dh_weighted is None else dh_weighted + dw_rows * h
+        if dh_weighted is not None:
+            terms.append(ragged_dot(dh_weighted.astype(gate_up.dtype), w_out, sizes))
         if dw_out is not None:
-            terms.append(ragged_dot(h, dw_out, group_sizes))
+            terms.append(ragged_dot(weigh(h).astype(gate_up.dtype), dw_out, sizes))
         return sum(terms[1:], terms[0])
 
-    return out, d_out(gate_up, d_gate_up, dw_out)
+    return tangent(gate_up, w_rows, d_gate_up, dw_rows, dw_out)
 
 
 def check_expert_weights(w_in, w_out, hidden_size: int, activation: str, where: str = "moe_mlp") -> None:
@@ -218,7 +228,8 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation,
 
 def _gathers(x, ids, w_in, activation) -> bool:
     """Whether the first GEMM gathers its rows from x itself (gather_gemm.py's fused kernel)."""
-    return x.shape[0] < _EXACT_TOKENS and gather_gemm.layer_kernel_applies(x, ids, w_in, activation)
+    return x.shape[0] < _EXACT_TOKENS and gather_gemm.layer_kernel_applies(x, w_in, x.shape[0] * ids.shape[1],
+                                                                           activation)
 
 
 _EXACT_TOKENS = 2**24  # token indices ride through the permute as float32 values
@@ -296,24 +307,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     w_rows = _weights_to_rows(weights, row_map, num_rows)
     dw_rows = None if dweights is None else _weights_to_rows(dweights, row_map, num_rows)
 
-    @jax.checkpoint  # keeps gate_up and w_rows; h and w * h are recomputed in the backward
-    def d_expert_out(gate_up, w_rows, d_gate_up, dw_rows, dw_out):
-        act = lambda g: apply_activation(g, activation)
-        terms, dh_weighted = [], None
-        if d_gate_up is not None:
-            h, dh = jax.jvp(act, (gate_up,), (d_gate_up,))
-            dh_weighted = w_rows * dh
-        else:
-            h = act(gate_up)
-        if dw_rows is not None:
-            dh_weighted = dw_rows * h if dh_weighted is None else dh_weighted + dw_rows * h
-        if dh_weighted is not None:
-            terms.append(ragged_dot(dh_weighted.astype(gate_up.dtype), w_out, sizes))
-        if dw_out is not None:
-            terms.append(ragged_dot((w_rows * h).astype(gate_up.dtype), dw_out, sizes))
-        return sum(terms[1:], terms[0])
-
-    d_y = d_expert_out(gate_up, w_rows, d_gate_up, dw_rows, dw_out)
+    d_y = _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows)
     return out, ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype)
 
 

@@ -8,15 +8,8 @@
 // Gated: the 256 accumulator columns are 128 gate columns and the 128 matching up columns, so
 // each thread holds gate column c and up column c + 128 and pairs them in registers.
 // Persistent grid; each block scans group_sizes itself (no workspace, no extra launch).
-#include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
-#include <utility>
 
 #include "cuda_check.h"
 #include "gather_gemm.h"

@@ -139,8 +139,7 @@ struct StageConsumer {
   __device__ __forceinline__ void skip(StageRing& ring) {
     start();
     mbar_wait(ring.full(ring.stage), ring.phase);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(ring.stage));
+    arrive_empty(ring, ring.stage);
     ring.advance();
   }
 
@@ -177,9 +176,13 @@ struct StageConsumer {
   }
 
   __device__ __forceinline__ void release(const StageRing& ring) const {
-    if (prev < 0) return;
+    if (prev >= 0) arrive_empty(ring, prev);
+  }
+
+  // One arrival per warp (the empty barrier counts warps).
+  __device__ __forceinline__ static void arrive_empty(const StageRing& ring, int stage) {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(prev));
+    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(stage));
   }
 };
 
