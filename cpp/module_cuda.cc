@@ -66,5 +66,7 @@ NB_MODULE(_cuda, m) {
   m.def("gather_gemm_fits", &moe::gemm::gather_gemm_fits);
   // ragged_dot_wgrad_sm90_fits(rows, k, n, groups): whether our weight-gradient kernel covers the call.
   m.def("ragged_dot_wgrad_sm90_fits", &moe::gemm::grouped_wgrad_fits);
+  // ragged_dot_wgrad_sm90_preferred(rows, k, n, groups): whether it is the default there.
+  m.def("ragged_dot_wgrad_sm90_preferred", &moe::gemm::grouped_wgrad_preferred);
 #endif
 }

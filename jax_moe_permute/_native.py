@@ -69,3 +69,8 @@ def workspace_bytes(platform: str, op: str, *sizes: int) -> int:
 def kernel_fits(platform: str, op: str, *sizes: int) -> bool:
     """Whether the `op` kernel of `platform` takes these sizes (its launcher's own rule)."""
     return bool(getattr(_MODULES[platform], f"{op}_fits")(*sizes))
+
+
+def kernel_preferred(platform: str, op: str, *sizes: int) -> bool:
+    """Whether the `op` kernel of `platform` is the default choice for these sizes (its own rule)."""
+    return bool(getattr(_MODULES[platform], f"{op}_preferred")(*sizes))

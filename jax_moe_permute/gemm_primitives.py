@@ -172,15 +172,24 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
     return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))
 
 
+DW_KERNELS = ("auto", "cutlass", "persistent")
+
+
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
-    """Static choice of the weight gradient's kernel: CUTLASS's (the default) or, with
-    MOE_GROUPED_GEMM_DW_KERNEL=persistent read when the call is lowered, our persistent one
-    (cpp/gemm/grouped_wgrad.cu; graph-safe; its first build ran at 0.68-0.76x CUTLASS's rate on the
-    H200 and the rebuild is not yet measured: docs/design-notes.md, "Grouped GEMM tiles", item 8)."""
-    if os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass") != "persistent" or batch != 1:
+    """Static choice of the weight gradient's kernel, made when the call is lowered: our persistent
+    one (cpp/gemm/grouped_wgrad.cu, graph-safe) where it fits and the groups average fewer than
+    1024 rows (the fine-grained MoEs, where it measured 0.97-1.42x CUTLASS's rate), CUTLASS's
+    otherwise. MOE_GROUPED_GEMM_DW_KERNEL=cutlass or =persistent forces one where it fits;
+    forcing a CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) implies CUTLASS."""
+    choice = os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "auto")
+    if choice not in DW_KERNELS:
+        raise ValueError(f"MOE_GROUPED_GEMM_DW_KERNEL must be one of {DW_KERNELS}, got {choice!r}")
+    if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
-    return (_native.has_target("cuda", "ragged_dot_wgrad_sm90")
-            and _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups))
+    if choice == "persistent":
+        return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups)
+    return (os.environ.get("MOE_GROUPED_GEMM_DW_TILE") is None
+            and _native.kernel_preferred("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups))
 
 
 def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, precision):

@@ -206,6 +206,20 @@ def test_errors():
         jmp.ragged_dot(lhs, rhs, jnp.array([4.0, 4.0]))
 
 
+def test_weight_grad_kernel_variable(monkeypatch):
+    """MOE_GROUPED_GEMM_DW_KERNEL names auto, cutlass or persistent; anything else is an error
+    naming the variable; cutlass never takes our kernel, nor does a platform without it."""
+    from jax_moe_permute import _native, gemm_primitives
+    sizes = (1, 4096, 256, 512, 16)  # batch, rows, k, n, groups: 256 rows a group
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_DW_KERNEL"):
+        gemm_primitives.use_own_wgrad_kernel(*sizes)
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass")
+    assert not gemm_primitives.use_own_wgrad_kernel(*sizes)
+    monkeypatch.delenv("MOE_GROUPED_GEMM_DW_KERNEL")
+    assert gemm_primitives.use_own_wgrad_kernel(*sizes) == _native.has_target("cuda", "ragged_dot_wgrad_sm90")
+
+
 _SHARD_MAP_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
@@ -335,6 +349,33 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
         poisoned = cot.at[sizes[0]].set(jnp.nan)  # the first row of group 1
         d_rhs = np.asarray(d_rhs_of(lhs, poisoned, jnp.asarray(sizes)), np.float32)
         assert np.isnan(d_rhs[1]).any() and np.isfinite(np.delete(d_rhs, 1, axis=0)).all()
+
+
+@needs_gpu
+def test_weight_grad_kernel_choice(monkeypatch):
+    """By default dW takes our persistent kernel where it fits and groups average fewer than 1024
+    rows, CUTLASS's for longer groups, for K or N not a multiple of 64, and wherever
+    MOE_GROUPED_GEMM_DW_KERNEL=cutlass or a forced CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) says so."""
+    monkeypatch.delenv("MOE_GROUPED_GEMM_DW_KERNEL", raising=False)
+    monkeypatch.delenv("MOE_GROUPED_GEMM_DW_TILE", raising=False)
+
+    def target(G, M, K, N):
+        lhs, cot, rhs = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, K), (M, N), (G, K, N)))
+        sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
+        f = jax.jit(lambda a, b, c, s: jax.vjp(lambda b: jmp.ragged_dot(a, b, s), b)[1](c)[0])
+        hlo = f.lower(lhs, rhs, cot, sizes).as_text()
+        return "persistent" if "@jax_moe_permute.ragged_dot_wgrad_sm90(" in hlo else "cutlass"
+
+    assert target(16, 16 * 256, 256, 512) == "persistent"
+    assert target(16, 16 * 1024, 256, 512) == "cutlass"  # long groups
+    assert target(16, 16 * 256, 200, 512) == "cutlass"  # K not a multiple of 64
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_TILE", "128x256")
+    assert target(16, 16 * 256, 256, 512) == "cutlass"
+    monkeypatch.delenv("MOE_GROUPED_GEMM_DW_TILE")
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass")
+    assert target(16, 16 * 256, 256, 512) == "cutlass"
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
+    assert target(16, 16 * 1024, 256, 512) == "persistent"
 
 
 @needs_gpu

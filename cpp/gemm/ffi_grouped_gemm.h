@@ -29,4 +29,6 @@ int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t ex
 bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation);
 // Whether our own weight-gradient kernel (grouped_wgrad.h) covers the call.
 bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups);
+// Whether ragged_dot's weight gradient takes that kernel by default (grouped_wgrad.h).
+bool grouped_wgrad_preferred(int64_t rows, int64_t k, int64_t n, int64_t groups);
 }  // namespace moe::gemm

@@ -40,7 +40,7 @@ std::optional<Tile> choose_tile(Layout layout, const GroupedGemmArgs& a) {
   // Measured on the H200 (docs/grouped-gemm.md). The weight gradient's output rows are the
   // weights' K, always large; its mainloop runs over a group's rows: ping-pong 128 x 128 wins
   // from about 1024 rows per group, the cooperative 128 x 256 below.
-  if (layout == Layout::kWeightGrad) return a.rows >= 1024 * a.groups ? Tile::k128x128 : Tile::k128x256;
+  if (layout == Layout::kWeightGrad) return a.rows >= kLongGroupRows * a.groups ? Tile::k128x128 : Tile::k128x256;
   // Measured on the H200 (docs/grouped-gemm.md): 64-row tiles win while the average group fits
   // one (decode), 128-row tiles from 128 rows per group up (training and prefill).
   return a.rows <= 64 * a.groups ? Tile::k64x256 : Tile::k128x256;

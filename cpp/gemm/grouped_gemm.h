@@ -30,6 +30,10 @@ enum class Tile : int {
   k128x128 = 2,
 };
 
+// Groups averaging this many rows or more are "long": the weight gradient then runs on CUTLASS's
+// 128 x 128 tile (ffi_grouped_gemm_cuda.cc), below it on our persistent kernel (grouped_wgrad.h).
+constexpr int64_t kLongGroupRows = 1024;
+
 // One launch covers batch * groups problems. Offsets are in elements; a batch stride of 0
 // broadcasts an operand of leading extent 1. Group g of batch b holds the rows
 // [start, start + size) with start = min(sum of earlier sizes, rows), size clamped to [0, rows - start].

@@ -265,6 +265,10 @@ bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups) {
   return groups * ((k + kTileK - 1) / kTileK) * ((n + kTileN - 1) / kTileN) < kInt32Limit;
 }
 
+bool grouped_wgrad_preferred(int64_t rows, int64_t k, int64_t n, int64_t groups) {
+  return grouped_wgrad_fits(rows, k, n, groups) && rows < kLongGroupRows * groups;
+}
+
 cudaError_t grouped_wgrad(Dtype dtype, const GroupedWgradArgs& a, cudaStream_t stream) {
   if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups)) return cudaErrorInvalidValue;
   return dtype == Dtype::kBf16 ? launch<__nv_bfloat16>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)

@@ -27,6 +27,11 @@ struct GroupedWgradArgs {
 // M < 2^31 - 64, and fewer than 2^31 tiles of 128 x 256.
 bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups);
 
+// Whether ragged_dot's weight gradient takes this kernel by default: where it fits and the groups
+// are shorter than kLongGroupRows on average (fine-grained MoEs: 0.97-1.42x CUTLASS's rate on
+// Qwen3's shapes); long groups keep CUTLASS's 128 x 128 tile (docs/grouped-gemm.md).
+bool grouped_wgrad_preferred(int64_t rows, int64_t k, int64_t n, int64_t groups);
+
 // No host synchronisation, allocation or copy: graph-capturable.
 cudaError_t grouped_wgrad(Dtype dtype, const GroupedWgradArgs& args, cudaStream_t stream);
 
