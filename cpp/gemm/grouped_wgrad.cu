@@ -7,10 +7,11 @@
 // tile never overlap the MMA of the next (BENCHMARKS.md, "What bounds the misses"). Here the
 // epilogue stores straight from registers (16-byte stores after a transpose within each quad of
 // lanes) and the consumers go on to the next tile, whose first stages the producer has already
-// loaded: the stores drain under the next tile's MMA. Its first build, bit-identical to CUTLASS's
-// output, ran at 0.68-0.76x CUTLASS's rate on Qwen3's dW because a proxy fence after each stage
-// wait waited for those stores (docs/design-notes.md, "Grouped GEMM tiles", item 8); until the
-// rebuilt kernel is measured it runs only when asked for (MOE_GROUPED_GEMM_DW_KERNEL=persistent).
+// loaded. Bit-identical to CUTLASS's output; 0.97-1.42x its rate on Qwen3's dW (H100), so the
+// default where groups average fewer than kLongGroupRows rows (grouped_wgrad_preferred). Its
+// tiles still take their MMA plus their stores' drain, one after the other (likely: the
+// consumers stall issuing 64 KB of stores a tile; docs/design-notes.md, "Grouped GEMM tiles",
+// item 8, with the next design: the tile handed to a TMA store from shared memory).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
