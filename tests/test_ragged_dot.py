@@ -351,31 +351,40 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
         assert np.isnan(d_rhs[1]).any() and np.isfinite(np.delete(d_rhs, 1, axis=0)).all()
 
 
-@needs_gpu
 def test_weight_grad_kernel_choice(monkeypatch):
     """By default dW takes our persistent kernel where it fits and groups average fewer than 1024
     rows, CUTLASS's for longer groups, for K or N not a multiple of 64, and wherever
-    MOE_GROUPED_GEMM_DW_KERNEL=cutlass or a forced CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) says so."""
+    MOE_GROUPED_GEMM_DW_KERNEL=cutlass or a forced CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) says so.
+    The choice is made when the call is lowered, so it is checked by lowering for an sm_90 GPU
+    (jax.export), which needs the CUDA module but no GPU."""
+    from jax import export
+    from jax_moe_permute import _native, gemm_primitives
+    if not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
+        pytest.skip("the CUDA module with the sm_90 GEMM kernels is not built")
+    monkeypatch.setattr(gemm_primitives, "gpu_is_sm90", lambda: True)
     monkeypatch.delenv("MOE_GROUPED_GEMM_DW_KERNEL", raising=False)
     monkeypatch.delenv("MOE_GROUPED_GEMM_DW_TILE", raising=False)
+    ours, cutlass = "jax_moe_permute.ragged_dot_wgrad_sm90", "jax_moe_permute.ragged_dot_weight_grad"
+    unchecked = [export.DisabledSafetyCheck.custom_call(t) for t in (ours, cutlass)]
 
-    def target(G, M, K, N):
+    def kernel(G, M, K, N):
         lhs, cot, rhs = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, K), (M, N), (G, K, N)))
         sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
-        f = jax.jit(lambda a, b, c, s: jax.vjp(lambda b: jmp.ragged_dot(a, b, s), b)[1](c)[0])
-        hlo = f.lower(lhs, rhs, cot, sizes).as_text()
-        return "persistent" if "@jax_moe_permute.ragged_dot_wgrad_sm90(" in hlo else "cutlass"
+        d_rhs = jax.jit(lambda a, b, c, s: jax.vjp(lambda b: jmp.ragged_dot(a, b, s), b)[1](c)[0])
+        text = export.export(d_rhs, platforms=["cuda"], disabled_checks=unchecked)(lhs, rhs, cot, sizes).mlir_module()
+        assert (ours in text) != (cutlass in text), text
+        return "persistent" if ours in text else "cutlass"
 
-    assert target(16, 16 * 256, 256, 512) == "persistent"
-    assert target(16, 16 * 1024, 256, 512) == "cutlass"  # long groups
-    assert target(16, 16 * 256, 200, 512) == "cutlass"  # K not a multiple of 64
+    assert kernel(16, 16 * 256, 256, 512) == "persistent"
+    assert kernel(16, 16 * 1024, 256, 512) == "cutlass"  # long groups
+    assert kernel(16, 16 * 256, 200, 512) == "cutlass"  # K not a multiple of 64
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_TILE", "128x256")
-    assert target(16, 16 * 256, 256, 512) == "cutlass"
+    assert kernel(16, 16 * 256, 256, 512) == "cutlass"
     monkeypatch.delenv("MOE_GROUPED_GEMM_DW_TILE")
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "cutlass")
-    assert target(16, 16 * 256, 256, 512) == "cutlass"
+    assert kernel(16, 16 * 256, 256, 512) == "cutlass"
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
-    assert target(16, 16 * 1024, 256, 512) == "persistent"
+    assert kernel(16, 16 * 1024, 256, 512) == "persistent"
 
 
 @needs_gpu
