@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-dw:persistent unless some are named: racecheck is slow on these kernels)
+with each epilogue, dw:persistent and dw:persistent-tma-store, unless some are named: racecheck is
+slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -27,8 +28,10 @@ CASES = [  # (M, K, N, group sizes)
     (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
     (150, 128, 192, [40, 20, 55, 0, 17]),  # partial stages issuing 3, 2, 4 and 2 of their 16-row steps
 ]
-# The weight gradient's opt-in alternative (docs/grouped-gemm.md): our persistent kernel.
-DW_VARIANTS = {"dw:persistent": ("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")}
+# Our persistent dW kernel forced (docs/grouped-gemm.md), with either epilogue.
+DW_VARIANTS = {"dw:persistent": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent"},
+               "dw:persistent-tma-store": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_TMA_STORE": "1"}}
+ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_TMA_STORE")
 
 
 def check(out, ref, dtype):
@@ -40,11 +43,10 @@ def check(out, ref, dtype):
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
     for tile in sys.argv[1:] or TILES + (DECODE_TILE,) + tuple(DW_VARIANTS):
-        for variable in ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL"):
+        for variable in ENV:
             os.environ.pop(variable, None)
         if tile in DW_VARIANTS:
-            variable, value = DW_VARIANTS[tile]
-            os.environ[variable] = value
+            os.environ.update(DW_VARIANTS[tile])
             jax.clear_caches()  # the dW kernel is chosen when a call is compiled
         else:
             os.environ["MOE_GROUPED_GEMM_TILE"] = tile  # read by the kernels at every call

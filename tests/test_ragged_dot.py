@@ -351,6 +351,28 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
         assert np.isnan(d_rhs[1]).any() and np.isfinite(np.delete(d_rhs, 1, axis=0)).all()
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_persistent_weight_grad_tma_store_epilogue(dtype, monkeypatch):
+    """The persistent dW kernel's epilogue through shared memory and TMA stores
+    (MOE_SM90_WGRAD_TMA_STORE=1, read at every launch) writes bitwise what the register epilogue
+    writes, on every edge of the group sizes, including K and N not multiples of its tile and
+    groups without rows (their zero tiles)."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
+    for G, M, K, N in ((8, 2048, 256, 512), (24, 700, 192, 64), (3, 300, 2048, 1536)):
+        lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
+        d_rhs_of = jax.jit(lambda a, c, sizes: jax.vjp(lambda b: jmp.ragged_dot(a, b, sizes), rhs)[1](c)[0])
+        for name, sizes in edge_cases(M, G):
+            monkeypatch.setenv("MOE_SM90_WGRAD_TMA_STORE", "0")
+            want = np.asarray(d_rhs_of(lhs, cot, sizes), np.float32)
+            monkeypatch.setenv("MOE_SM90_WGRAD_TMA_STORE", "1")
+            got = np.asarray(d_rhs_of(lhs, cot, sizes), np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} G={G} M={M} K={K} N={N}")
+        r_rhs = jax.vjp(lambda b: ref_ragged_dot(lhs.astype(jnp.float32), b, sizes),
+                        rhs.astype(jnp.float32))[1](cot.astype(jnp.float32))[0]
+        assert_matches(got, r_rhs, dtype)
+
+
 def test_weight_grad_kernel_choice(monkeypatch):
     """By default dW takes our persistent kernel where it fits and groups average fewer than 1024
     rows, CUTLASS's for longer groups, for K or N not a multiple of 64, and wherever

@@ -1,5 +1,5 @@
-"""The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel against CUTLASS's
-ptr-array kernel (the default) and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
+"""The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel (with either epilogue)
+against CUTLASS's ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
 (GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and writing
 its G x K x N output at the copy bandwidth.
 
@@ -28,12 +28,15 @@ def med(f, *a):
     return float(np.median(ms)) * 1e3
 
 
-KERNELS = ("cutlass", "persistent")
+# persistent-tma-store: our kernel with its epilogue through shared memory and TMA stores.
+KERNELS = ("cutlass", "persistent", "persistent-tma-store")
 
 
 def select(kernel):
-    """The kernel is chosen when the call is lowered: the variable stays set while it is timed."""
-    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel
+    """The kernel is chosen when the call is lowered, its epilogue at every launch: the variables
+    stay set while it is timed."""
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel.removesuffix("-tma-store")
+    os.environ["MOE_SM90_WGRAD_TMA_STORE"] = "1" if kernel.endswith("-tma-store") else "0"
 
 
 def wgrad_fn(kernel, sizes):
@@ -85,6 +88,7 @@ if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
         # + gather: the fused first GEMM too (MOE_GATHER_GEMM=1, read when the layer is traced):
         # every GEMM of the layer but d lhs on our hand-written kernels.
         for config, kernel, gathers in (("cutlass", "cutlass", "0"), ("persistent", "persistent", "0"),
+                                        ("persistent, TMA stores", "persistent-tma-store", "0"),
                                         ("persistent + gather", "persistent", "1")):
             select(kernel)
             os.environ["MOE_GATHER_GEMM"] = gathers

@@ -23,6 +23,8 @@
 // there is no zero-fill launch.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "cuda_check.h"
 #include "grouped_wgrad.h"
@@ -37,7 +39,12 @@ constexpr int kTileK = 128;    // rows of out[g] per tile (columns of lhs): A of
 constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs): B
 constexpr int kStepRows = 64;  // rows of lhs and rhs reduced per stage
 constexpr int kMaxGroups = 1024;
-constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxGroups * 4);  // + each group's first and end row
+constexpr int kGroupTableBytes = 2 * kMaxGroups * 4;  // each group's first and end row
+// Then one 64 x 64 output box per consumer for the TMA-store epilogue, 1024-aligned (the swizzle's).
+constexpr int kOutBoxOffset = (kTablesOffset + kGroupTableBytes + 1023) / 1024 * 1024 - kTablesOffset;
+constexpr int kSmemBytes = stage_ring_smem_bytes(kOutBoxOffset + 2 * kBoxBytes);
+constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
+static_assert(kSmemBytes <= 227 * 1024);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
@@ -46,6 +53,7 @@ struct Params {
   const int32_t* group_sizes;
   void* out;
   int64_t rows, k, n, groups;
+  int k_tiles, n_tiles, tiles;  // tiles of one group along K and N, and of all groups (run group by group)
   bool stagger;  // consumer_stagger()
 };
 
@@ -82,22 +90,14 @@ struct Tile {
   int steps;          // 64-row stages
 };
 
-// Tiles run group by group, k_tiles x n_tiles a group.
-struct TileGrid {
-  int k_tiles, n_tiles, tiles;
-  __device__ explicit TileGrid(const Params& p)
-      : k_tiles(int((p.k + kTileK - 1) / kTileK)), n_tiles(int((p.n + kTileN - 1) / kTileN)),
-        tiles(int(p.groups) * k_tiles * n_tiles) {}
-};
-
-__device__ __forceinline__ Tile decode_tile(int tile, const TileGrid& grid, const int32_t* group_start,
+__device__ __forceinline__ Tile decode_tile(int tile, const Params& p, const int32_t* group_start,
                                             const int32_t* group_end) {
-  const int per_group = grid.k_tiles * grid.n_tiles;
+  const int per_group = p.k_tiles * p.n_tiles;
   Tile t;
   t.group = tile / per_group;
   const int in_group = tile - t.group * per_group;
-  t.k0 = (in_group % grid.k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
-  t.n0 = (in_group / grid.k_tiles) * kTileN;
+  t.k0 = (in_group % p.k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
+  t.n0 = (in_group / p.k_tiles) * kTileN;
   t.row0 = group_start[t.group];
   t.row_end = group_end[t.group];
   t.steps = (t.row_end - t.row0 + kStepRows - 1) / kStepRows;
@@ -129,6 +129,53 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
   }
 }
 
+// The same rows through shared memory and TMA stores (MOE_SM90_WGRAD_TMA_STORE=1, an A/B switch):
+// the consumer writes each 64 x 64 box of its 64 rows into its box buffer in TMA's 128-byte swizzle,
+// one thread stores it, and the consumer goes on at once; the buffer is written again only after
+// that store has read it. The stores then drain under the next tile's MMA instead of stalling the
+// consumer's threads on 16 global stores each (docs/design-notes.md, "Grouped GEMM tiles", item 8).
+template <class T, int kConsumer>
+__device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, const StageRing& ring,
+                                               const CUtensorMap* out_map, const float (&acc)[128]) {
+  constexpr int consumer = kConsumer, barrier = kEpilogueBarrier + kConsumer;
+  const int k0 = t.k0 + 64 * consumer;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
+  if (k0 >= p.k) return;
+  const uint32_t box = ring.base + kTablesOffset + kOutBoxOffset + consumer * kBoxBytes;
+  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31, q = lane & 3;
+  const bool leader = (threadIdx.x & 127) == 0;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {  // the tile's columns [64 b, 64 b + 64)
+    if (t.n0 + 64 * b >= p.n) break;  // p.n % 64 == 0
+    if (leader) tma_store_wait_read();  // the previous box has left the buffer
+    named_barrier_sync<barrier, 128>();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * warp + lane / 4 + 8 * half;  // of the consumer's 64; row % 8 == lane / 4
+#pragma unroll
+      for (int mm = 0; mm < 2; ++mm) {  // column groups 4 m .. 4 m + 3, m = 2 b + mm: 32 columns
+        const int m = 2 * b + mm;
+        uint32_t v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * (4 * m + j) + 2 * half;
+          v[j] = pack2<T>(acc[i], acc[i + 1]);
+        }
+        const uint4 w = quad_transpose(v);
+        const int chunk = 4 * mm + q;  // 16-byte chunk of the box's 128-byte row
+        const uint32_t addr = box + row * 128 + (uint32_t(chunk ^ (lane / 4)) << 4);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                     : "memory");
+      }
+    }
+    fence_smem_to_tma();
+    named_barrier_sync<barrier, 128>();
+    if (leader) {
+      tma_store_3d(out_map, box, t.n0 + 64 * b, k0, t.group);
+      tma_store_commit();
+    }
+  }
+}
+
 // cp.async of BOXES 64-column boxes of rows [row0, row0 + 64) of a [rows, cols] array from column
 // col0 into a stage (dst: the stage plus this thread's box_offset): chunk `chunk` of rows row_sub + 16 j.
 // Rows from row_end on and columns from cols on are zero-filled.
@@ -147,9 +194,10 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t co
   }
 }
 
-template <class T>
-__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
-                                                                     const __grid_constant__ CUtensorMap rhs_map) {
+template <class T, bool kTmaStore>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
+                         const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
   extern __shared__ uint8_t smem_raw[];
   StageRing ring(smem_raw);
   int32_t* group_start = ring.tables<int32_t>();
@@ -163,7 +211,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     producer_registers();
-    const TileGrid grid(p);  // after setmaxnreg: ptxas keeps values live across it in local memory
     // cp.async: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column
     // box. Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16), as TMA's 128-byte swizzle
     // puts it: the MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
@@ -172,8 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
     const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* lhs = static_cast<const T*>(p.lhs);
     const T* rhs = static_cast<const T*>(p.rhs);
-    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, grid, group_start, group_end);
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, p, group_start, group_end);
       for (int step = 0; step < tl.steps; ++step) {
         ring.wait_empty();
         const uint32_t full = ring.full(ring.stage), a_stage = ring.a(ring.stage), b_stage = ring.b(ring.stage);
@@ -201,14 +248,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
   } else {
     // ---------------- consumers ----------------
     consumer_registers();
-    const TileGrid grid(p);
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
     float acc[128];
-    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
-      const Tile tl = decode_tile(tile, grid, group_start, group_end);
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, p, group_start, group_end);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       // A, MN-major: this consumer's 64 rows of out are one box; +16 rows = 2048 bytes per k16.
@@ -218,8 +264,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_kernel(const Params
         consume.mma(ring, acc, consumer * kBoxBytes, 2048, kBoxBytes, (rows + 15) / 16);
       }
       consume.finish(ring, acc);
-      store_tile<T>(p, tl, row_in_tile, acc);
+      if constexpr (kTmaStore) {
+        if (consumer == 0) store_tile_tma<T, 0>(p, tl, ring, &out_map, acc);
+        else store_tile_tma<T, 1>(p, tl, ring, &out_map, acc);
+      } else {
+        store_tile<T>(p, tl, row_in_tile, acc);
+      }
     }
+    if (kTmaStore && (threadIdx.x & 127) == 0) tma_store_wait_all();
   }
 }
 
@@ -238,21 +290,45 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// out [G, K, N] as a 3-D tensor (innermost first: N, K, G), boxes of 64 columns x 64 rows x 1 group
+// in the 128-byte swizzle: the TMA-store epilogue's boxes.
+cudaError_t make_out_map(const GroupedWgradArgs& a, CUtensorMapDataType type, CUtensorMap* map) {
+  EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(a.k), cuuint64_t(a.groups)};
+  const cuuint64_t strides[2] = {cuuint64_t(a.n) * 2, cuuint64_t(a.k) * cuuint64_t(a.n) * 2};  // bytes, dims 1-2
+  const cuuint32_t box[3] = {kBox, kBox, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, type, 3, a.out, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// MOE_SM90_WGRAD_TMA_STORE=1: the epilogue through shared memory and TMA stores (an A/B switch, read
+// at every launch; off by default until measured).
+bool tma_store_epilogue() {
+  const char* v = std::getenv("MOE_SM90_WGRAD_TMA_STORE");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
 template <class T>
 cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
-  CUtensorMap lhs_map, rhs_map;
+  CUtensorMap lhs_map, rhs_map, out_map;
   // Without rows nothing is loaded; the maps then point at out (any valid address) for one row.
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.lhs : a.out, a.rows, a.k, type, &lhs_map));
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.rhs : a.out, a.rows, a.n, type, &rhs_map));
+  MOE_CUDA_TRY(make_out_map(a, type, &out_map));
   Params p;
   p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;
   p.stagger = consumer_stagger();
-  const int64_t tiles = a.groups * ((a.k + kTileK - 1) / kTileK) * ((a.n + kTileN - 1) / kTileN);
+  p.k_tiles = int((a.k + kTileK - 1) / kTileK), p.n_tiles = int((a.n + kTileN - 1) / kTileN);
+  const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
+  p.tiles = int(tiles);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
-  auto kernel = grouped_wgrad_kernel<T>;
+  auto kernel = tma_store_epilogue() ? grouped_wgrad_kernel<T, true> : grouped_wgrad_kernel<T, false>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, lhs_map, rhs_map);
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, lhs_map, rhs_map, out_map);
   MOE_CHECK_LAUNCH();
   return cudaSuccess;
 }

@@ -1,5 +1,5 @@
 // Hopper (sm90a) building blocks our hand-written wgmma kernels share: mbarriers, cp.async,
-// TMA loads, proxy fences, wgmma shared-memory descriptors, accumulator fences, bf16/f16 packing
+// TMA loads and stores, named barriers, proxy fences, wgmma shared-memory descriptors, accumulator fences, bf16/f16 packing
 // and the quad transpose behind 16-byte epilogue stores.
 #pragma once
 
@@ -73,6 +73,28 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
+}
+
+// TMA store of one box from shared memory, in the issuing thread's bulk group.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until the shared memory of this thread's committed stores has been read (their writes to global
+// memory may still be draining): then the buffer may be written again.
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Until this thread's committed stores are complete.
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// This thread's shared-memory writes made visible to the async proxy, before a TMA store reads them.
+__device__ __forceinline__ void fence_smem_to_tma() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The kThreads threads that reach barrier kId (1-15; 0 is __syncthreads') wait for each other.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 // wgmma smem descriptor, 128-byte swizzle; offsets in bytes.
