@@ -42,9 +42,10 @@ constexpr int kMaxGroups = 1024;
 constexpr int kGroupTableBytes = 2 * kMaxGroups * 4;  // each group's first and end row
 // Then one 64 x 64 output box per consumer for the TMA-store epilogue, 1024-aligned (the swizzle's).
 constexpr int kOutBoxOffset = (kTablesOffset + kGroupTableBytes + 1023) / 1024 * 1024 - kTablesOffset;
-constexpr int kSmemBytes = stage_ring_smem_bytes(kOutBoxOffset + 2 * kBoxBytes);
+constexpr int kSmemBytes = stage_ring_smem_bytes(kGroupTableBytes);
+constexpr int kSmemBytesTmaStore = stage_ring_smem_bytes(kOutBoxOffset + 2 * kBoxBytes);
 constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
-static_assert(kSmemBytes <= 227 * 1024);
+static_assert(kSmemBytesTmaStore <= 227 * 1024);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
@@ -326,9 +327,11 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
   p.tiles = int(tiles);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
-  auto kernel = tma_store_epilogue() ? grouped_wgrad_kernel<T, true> : grouped_wgrad_kernel<T, false>;
-  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, lhs_map, rhs_map, out_map);
+  const bool tma_store = tma_store_epilogue();
+  auto kernel = tma_store ? grouped_wgrad_kernel<T, true> : grouped_wgrad_kernel<T, false>;
+  const int smem = tma_store ? kSmemBytesTmaStore : kSmemBytes;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, lhs_map, rhs_map, out_map);
   MOE_CHECK_LAUNCH();
   return cudaSuccess;
 }
