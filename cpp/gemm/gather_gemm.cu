@@ -301,25 +301,11 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
 
 // ---- host --------------------------------------------------------------------------------------
 
-// w [E, H, N] as a 3-D tensor (innermost first: N, H, E), boxes of 64 columns x 64 k x 1 expert,
-// 128-byte swizzle (the N-major layout wgmma reads). Out-of-range k (the tail of H) reads zeros.
-cudaError_t make_w_map(const GatherGemmArgs& a, CUtensorMapDataType type, CUtensorMap* map) {
-  EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(a.hidden), cuuint64_t(a.experts)};
-  const cuuint64_t strides[2] = {cuuint64_t(a.n) * 2, cuuint64_t(a.hidden) * cuuint64_t(a.n) * 2};  // bytes, dims 1-2
-  const cuuint32_t box[3] = {kBox, kTileK, 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, type, 3, const_cast<void*>(a.w), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 template <class T, bool kGated>
 cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap map;
-  MOE_CUDA_TRY(make_w_map(a, type, &map));
+  // w [E, H, N] in boxes of 64 columns x 64 k of one expert; the tail of H reads zeros.
+  MOE_CUDA_TRY(encode_boxes_3d(&map, type, a.w, a.experts, a.hidden, a.n, kTileK, CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
   Params p;
   p.x = a.x, p.row_token = a.row_token, p.group_sizes = a.group_sizes, p.w = a.w;
   p.out = a.out, p.pre = a.save_pre ? a.pre : nullptr;

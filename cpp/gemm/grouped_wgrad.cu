@@ -116,13 +116,7 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int m = 0; m < 8; ++m) {  // column groups 4 m .. 4 m + 3: columns [32 m, 32 m + 32)
-      uint32_t v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = 4 * (4 * m + j) + 2 * half;
-        v[j] = pack2<T>(acc[i], acc[i + 1]);
-      }
-      const uint4 w = quad_transpose(v);
+      const uint4 w = accumulator_chunk<T>(acc, m, half);
       const int col = 32 * m + 8 * q;
       if (t.n0 + col < p.n)  // p.n % 64 == 0: whole 64-column boxes are in or out
         *reinterpret_cast<uint4*>(out + int64_t(8 * half) * p.n + col) = w;
@@ -154,14 +148,7 @@ __device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, c
       const int row = 16 * warp + lane / 4 + 8 * half;  // of the consumer's 64; row % 8 == lane / 4
 #pragma unroll
       for (int mm = 0; mm < 2; ++mm) {  // column groups 4 m .. 4 m + 3, m = 2 b + mm: 32 columns
-        const int m = 2 * b + mm;
-        uint32_t v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int i = 4 * (4 * m + j) + 2 * half;
-          v[j] = pack2<T>(acc[i], acc[i + 1]);
-        }
-        const uint4 w = quad_transpose(v);
+        const uint4 w = accumulator_chunk<T>(acc, 2 * b + mm, half);
         const int chunk = 4 * mm + q;  // 16-byte chunk of the box's 128-byte row
         const uint32_t addr = box + row * 128 + (uint32_t(chunk ^ (lane / 4)) << 4);
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
@@ -291,20 +278,6 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// out [G, K, N] as a 3-D tensor (innermost first: N, K, G), boxes of 64 columns x 64 rows x 1 group
-// in the 128-byte swizzle: the TMA-store epilogue's boxes.
-cudaError_t make_out_map(const GroupedWgradArgs& a, CUtensorMapDataType type, CUtensorMap* map) {
-  EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {cuuint64_t(a.n), cuuint64_t(a.k), cuuint64_t(a.groups)};
-  const cuuint64_t strides[2] = {cuuint64_t(a.n) * 2, cuuint64_t(a.k) * cuuint64_t(a.n) * 2};  // bytes, dims 1-2
-  const cuuint32_t box[3] = {kBox, kBox, 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, type, 3, a.out, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // MOE_SM90_WGRAD_TMA_STORE=1: the epilogue through shared memory and TMA stores (an A/B switch, read
 // at every launch; off by default until measured).
 bool tma_store_epilogue() {
@@ -318,7 +291,8 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   // Without rows nothing is loaded; the maps then point at out (any valid address) for one row.
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.lhs : a.out, a.rows, a.k, type, &lhs_map));
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.rhs : a.out, a.rows, a.n, type, &rhs_map));
-  MOE_CUDA_TRY(make_out_map(a, type, &out_map));
+  // out [G, K, N] in the TMA-store epilogue's boxes: 64 columns x 64 rows of one group.
+  MOE_CUDA_TRY(encode_boxes_3d(&out_map, type, a.out, a.groups, a.k, a.n, kBox, CU_TENSOR_MAP_L2_PROMOTION_NONE));
   Params p;
   p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;

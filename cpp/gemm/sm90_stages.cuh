@@ -74,6 +74,20 @@ struct StageRing {
   }
 };
 
+// Columns [32 m + 8 q, 32 m + 8 q + 8) of accumulator row 16 wi + l / 4 + 8 half, rounded to T:
+// one 16-byte chunk for lane q = l % 4 (the quad's column groups 4 m .. 4 m + 3 transposed).
+// Every lane of the warp must call it.
+template <class T>
+__device__ __forceinline__ uint4 accumulator_chunk(const float (&acc)[128], int m, int half) {
+  uint32_t v[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = 4 * (4 * m + j) + 2 * half;
+    v[j] = pack2<T>(acc[i], acc[i + 1]);
+  }
+  return quad_transpose(v);
+}
+
 // 56 x 128 + 224 x 256 = 168 x 384 registers: the consumers hold the accumulators.
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;"); }
