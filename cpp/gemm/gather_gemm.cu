@@ -305,7 +305,7 @@ template <class T, bool kGated>
 cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap map;
   // w [E, H, N] in boxes of 64 columns x 64 k of one expert; the tail of H reads zeros.
-  MOE_CUDA_TRY(encode_boxes_3d(&map, type, a.w, a.experts, a.hidden, a.n, kTileK, CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
+  MOE_CUDA_TRY(encode_boxes(&map, type, a.w, 3, a.experts, a.hidden, a.n, kTileK, CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
   Params p;
   p.x = a.x, p.row_token = a.row_token, p.group_sizes = a.group_sizes, p.w = a.w;
   p.out = a.out, p.pre = a.save_pre ? a.pre : nullptr;

@@ -54,7 +54,9 @@ struct Params {
   const int32_t* group_sizes;
   void* out;
   int64_t rows, k, n, groups;
-  int k_tiles, n_tiles, tiles;  // tiles of one group along K and N, and of all groups (run group by group)
+  // Tiles of one group along K and N, and of all groups (run group by group). From the host: the
+  // loop bound then stays in the parameter bank (derived on the device, ptxas spilled it).
+  int k_tiles, n_tiles, tiles;
   bool stagger;  // consumer_stagger()
 };
 
@@ -263,19 +265,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// a [rows, cols] row-major as a 2-D tensor (innermost first), boxes of 64 columns x 64 rows,
-// 128-byte swizzle (the MN-major layout wgmma reads).
+// a [rows, cols] row-major in boxes of 64 columns x 64 rows (the MN-major layout wgmma reads).
 cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMapDataType type, CUtensorMap* map) {
-  EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(std::max<int64_t>(rows, 1))};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};  // bytes, dim 1
-  const cuuint32_t box[2] = {kBox, kStepRows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(map, type, 2, const_cast<void*>(a), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_boxes(map, type, a, 2, 1, std::max<int64_t>(rows, 1), cols, kStepRows,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 // MOE_SM90_WGRAD_TMA_STORE=1: the epilogue through shared memory and TMA stores (an A/B switch, read
@@ -292,7 +285,7 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.lhs : a.out, a.rows, a.k, type, &lhs_map));
   MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.rhs : a.out, a.rows, a.n, type, &rhs_map));
   // out [G, K, N] in the TMA-store epilogue's boxes: 64 columns x 64 rows of one group.
-  MOE_CUDA_TRY(encode_boxes_3d(&out_map, type, a.out, a.groups, a.k, a.n, kBox, CU_TENSOR_MAP_L2_PROMOTION_NONE));
+  MOE_CUDA_TRY(encode_boxes(&out_map, type, a.out, 3, a.groups, a.k, a.n, kBox, CU_TENSOR_MAP_L2_PROMOTION_NONE));
   Params p;
   p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.out = a.out;
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;

@@ -1,6 +1,7 @@
 // Hopper (sm90a) building blocks our hand-written wgmma kernels share: mbarriers, cp.async,
-// TMA loads and stores, named barriers, proxy fences, wgmma shared-memory descriptors, accumulator fences, bf16/f16 packing
-// and the quad transpose behind 16-byte epilogue stores.
+// TMA loads and stores, named barriers, proxy fences, wgmma shared-memory descriptors,
+// accumulator fences, bf16/f16 packing, the quad transpose behind 16-byte epilogue stores, and
+// the tensor maps.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
@@ -200,18 +201,19 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A row-major [outer, rows, cols] array of 2-byte elements as a 3-D tensor map (innermost first:
-// cols, rows, outer) in boxes of 64 columns x box_rows rows x 1, 128-byte swizzle: the MN-major
-// layout wgmma reads, and what our TMA stores write. Out-of-range elements read as zeros.
-inline cudaError_t encode_boxes_3d(CUtensorMap* map, CUtensorMapDataType type, const void* base, int64_t outer,
-                                   int64_t rows, int64_t cols, uint32_t box_rows, CUtensorMapL2promotion promotion) {
+// A row-major [outer, rows, cols] array of 2-byte elements as a tensor map of `rank` 2 (cols,
+// rows; outer ignored) or 3 (cols, rows, outer; innermost first) in boxes of 64 columns x box_rows
+// rows (x 1), 128-byte swizzle: the MN-major layout wgmma reads, and what our TMA stores write.
+// Out-of-range elements read as zeros.
+inline cudaError_t encode_boxes(CUtensorMap* map, CUtensorMapDataType type, const void* base, int rank, int64_t outer,
+                                int64_t rows, int64_t cols, uint32_t box_rows, CUtensorMapL2promotion promotion) {
   EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
+  if (encode == nullptr || rank < 2 || rank > 3) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(rows), cuuint64_t(outer)};
   const cuuint64_t strides[2] = {cuuint64_t(cols) * 2, cuuint64_t(rows) * cuuint64_t(cols) * 2};  // bytes, dims 1-2
   const cuuint32_t box[3] = {64, box_rows, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, type, 3, const_cast<void*>(base), dims, strides, box, element_strides,
+  const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
