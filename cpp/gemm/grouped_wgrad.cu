@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "cuda_check.h"
 #include "grouped_wgrad.h"
@@ -40,12 +41,18 @@ constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs): B
 constexpr int kStepRows = 64;  // rows of lhs and rhs reduced per stage
 constexpr int kMaxGroups = 1024;
 constexpr int kGroupTableBytes = 2 * kMaxGroups * 4;  // each group's first and end row
-// Then one 64 x 64 output box per consumer for the TMA-store epilogue, 1024-aligned (the swizzle's).
-constexpr int kOutBoxOffset = (kTablesOffset + kGroupTableBytes + 1023) / 1024 * 1024 - kTablesOffset;
-constexpr int kSmemBytes = stage_ring_smem_bytes(kGroupTableBytes);
-constexpr int kSmemBytesTmaStore = stage_ring_smem_bytes(kOutBoxOffset + 2 * kBoxBytes);
+// The register epilogue keeps 4 stages. The TMA-store epilogue gives one up for the whole output
+// tile, 128 x 256 (each consumer's 64 rows: four 64 x 64 boxes), 1024-aligned (the swizzle's) after
+// the tables: the consumers write it and go on to the next tile while TMA drains it.
+using RegisterStoreRing = StageRing;
+using TmaStoreRing = StageRingOf<3>;
+constexpr int kConsumerOutBytes = 4 * kBoxBytes;
+constexpr int kOutTileOffset =
+    (TmaStoreRing::kTablesOffset + kGroupTableBytes + 1023) / 1024 * 1024 - TmaStoreRing::kTablesOffset;
+constexpr int kSmemBytes = RegisterStoreRing::smem_bytes(kGroupTableBytes);
+constexpr int kSmemBytesTmaStore = TmaStoreRing::smem_bytes(kOutTileOffset + 2 * kConsumerOutBytes);
 constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
-static_assert(kSmemBytesTmaStore <= 227 * 1024);
+static_assert(kSmemBytes <= 227 * 1024 && kSmemBytesTmaStore <= 227 * 1024);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
@@ -127,24 +134,27 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
 }
 
 // The same rows through shared memory and TMA stores (MOE_SM90_WGRAD_TMA_STORE=1, an A/B switch):
-// the consumer writes each 64 x 64 box of its 64 rows into its box buffer in TMA's 128-byte swizzle,
-// one thread stores it, and the consumer goes on at once; the buffer is written again only after
-// that store has read it. The stores then drain under the next tile's MMA instead of stalling the
-// consumer's threads on 16 global stores each (docs/design-notes.md, "Grouped GEMM tiles", item 8).
+// the consumer writes its 64 x 256 rows, four 64 x 64 boxes in TMA's 128-byte swizzle, into its
+// part of the staged tile, one thread stores them, and the consumer goes on to the next tile at
+// once. The stores drain under that tile's MMA (64 KB a tile at an SM's share of the write
+// bandwidth takes about as long as the tile's MMA); the buffer is written again only after they
+// have read it (docs/design-notes.md, "Grouped GEMM tiles", item 8).
 template <class T, int kConsumer>
-__device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, const StageRing& ring,
+__device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, const TmaStoreRing& ring,
                                                const CUtensorMap* out_map, const float (&acc)[128]) {
   constexpr int consumer = kConsumer, barrier = kEpilogueBarrier + kConsumer;
   const int k0 = t.k0 + 64 * consumer;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
   if (k0 >= p.k) return;
-  const uint32_t box = ring.base + kTablesOffset + kOutBoxOffset + consumer * kBoxBytes;
+  const uint32_t out_tile = ring.base + TmaStoreRing::kTablesOffset + kOutTileOffset + consumer * kConsumerOutBytes;
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31, q = lane & 3;
   const bool leader = (threadIdx.x & 127) == 0;
+  const int boxes = int(min(int64_t(4), (p.n - t.n0) / kBox));  // p.n % 64 == 0
+  if (leader) tma_store_wait_read();  // the previous tile's stores have left the buffer
+  named_barrier_sync<barrier, 128>();
 #pragma unroll
   for (int b = 0; b < 4; ++b) {  // the tile's columns [64 b, 64 b + 64)
-    if (t.n0 + 64 * b >= p.n) break;  // p.n % 64 == 0
-    if (leader) tma_store_wait_read();  // the previous box has left the buffer
-    named_barrier_sync<barrier, 128>();
+    if (b >= boxes) break;
+    const uint32_t box = out_tile + b * kBoxBytes;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = 16 * warp + lane / 4 + 8 * half;  // of the consumer's 64; row % 8 == lane / 4
@@ -157,12 +167,12 @@ __device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, c
                      : "memory");
       }
     }
-    fence_smem_to_tma();
-    named_barrier_sync<barrier, 128>();
-    if (leader) {
-      tma_store_3d(out_map, box, t.n0 + 64 * b, k0, t.group);
-      tma_store_commit();
-    }
+  }
+  fence_smem_to_tma();
+  named_barrier_sync<barrier, 128>();
+  if (leader) {
+    for (int b = 0; b < boxes; ++b) tma_store_3d(out_map, out_tile + b * kBoxBytes, t.n0 + 64 * b, k0, t.group);
+    tma_store_commit();
   }
 }
 
@@ -189,9 +199,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                          const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
   extern __shared__ uint8_t smem_raw[];
-  StageRing ring(smem_raw);
-  int32_t* group_start = ring.tables<int32_t>();
-  int32_t* group_end = ring.tables<int32_t>(kMaxGroups * 4);
+  std::conditional_t<kTmaStore, TmaStoreRing, RegisterStoreRing> ring(smem_raw);
+  int32_t* group_start = ring.template tables<int32_t>();
+  int32_t* group_end = ring.template tables<int32_t>(kMaxGroups * 4);
   if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
   if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
