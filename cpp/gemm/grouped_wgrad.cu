@@ -8,15 +8,16 @@
 // epilogue stores straight from registers (16-byte stores after a transpose within each quad of
 // lanes) and the consumers go on to the next tile, whose first stages the producer has already
 // loaded. Bit-identical to CUTLASS's output; 0.97-1.42x its rate on Qwen3's dW (H100), so the
-// default where groups average fewer than kLongGroupRows rows (grouped_wgrad_preferred). Its
-// tiles still take their MMA plus their stores' drain, one after the other (likely: the
-// consumers stall issuing 64 KB of stores a tile; docs/design-notes.md, "Grouped GEMM tiles",
-// item 8, with the next design: the tile handed to a TMA store from shared memory).
+// default where groups average fewer than kLongGroupRows rows (grouped_wgrad_preferred). With the
+// register epilogue its tiles take their MMA plus their stores' drain, one after the other; the
+// TMA-store epilogue (MOE_SM90_WGRAD_TMA_STORE=1) stages the whole output tile in shared memory so
+// that the drain runs under the next tile's MMA (docs/design-notes.md, "Grouped GEMM tiles", item 8).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
-// out[g], 64 rows per stage, 4 stages. A stage of 64 rows inside the group is loaded by TMA (one
-// thread, 2 + 4 boxes); a group's last, partial stage by cp.async from all 128 producer threads,
+// out[g], 64 rows per stage, 4 stages (3 with the TMA-store epilogue). A stage of 64 rows inside
+// the group is loaded by TMA (one thread, 2 + 4 boxes); a group's last, partial stage by cp.async
+// from all 128 producer threads,
 // zero-filled past the group's end so that nothing of the next group, not even a NaN, enters the
 // product (a TMA box would read the next group's rows). Tiles run group by group (the blocks
 // running at once share one group's rows in L2); a group without rows stores its zero tiles, so
