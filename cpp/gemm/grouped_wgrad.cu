@@ -17,9 +17,8 @@
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
 // out[g], 64 rows per stage, 4 stages (3 with the TMA-store epilogue). A stage of 64 rows inside
 // the group is loaded by TMA (one thread, 2 + 4 boxes); a group's last, partial stage by cp.async
-// from all 128 producer threads,
-// zero-filled past the group's end so that nothing of the next group, not even a NaN, enters the
-// product (a TMA box would read the next group's rows). Tiles run group by group (the blocks
+// from all 128 producer threads, zero-filled past the group's end so that nothing of the next
+// group, not even a NaN, enters the product (a TMA box would read the next group's rows). Tiles run group by group (the blocks
 // running at once share one group's rows in L2); a group without rows stores its zero tiles, so
 // there is no zero-fill launch.
 #include <algorithm>
