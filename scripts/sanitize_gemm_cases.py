@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-with each epilogue, dw:persistent and dw:persistent-tma-store, unless some are named: racecheck is
-slow on these kernels)
+with each epilogue, dw:persistent-registers, -registers3, -tma and -warps, unless some are named:
+racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -28,10 +28,10 @@ CASES = [  # (M, K, N, group sizes)
     (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
     (150, 128, 192, [40, 20, 55, 0, 17]),  # partial stages issuing 3, 2, 4 and 2 of their 16-row steps
 ]
-# Our persistent dW kernel forced (docs/grouped-gemm.md), with either epilogue.
-DW_VARIANTS = {"dw:persistent": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent"},
-               "dw:persistent-tma-store": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_TMA_STORE": "1"}}
-ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_TMA_STORE")
+# Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue.
+DW_VARIANTS = {f"dw:persistent-{e}": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_EPILOGUE": e}
+               for e in ("registers", "registers3", "tma", "warps")}
+ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE")
 
 
 def check(out, ref, dtype):

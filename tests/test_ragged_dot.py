@@ -207,8 +207,9 @@ def test_errors():
 
 
 def test_weight_grad_kernel_variable(monkeypatch):
-    """MOE_GROUPED_GEMM_DW_KERNEL names auto, cutlass or persistent; anything else is an error
-    naming the variable; cutlass never takes our kernel, nor does a platform without it."""
+    """MOE_GROUPED_GEMM_DW_KERNEL names auto, cutlass or persistent, MOE_SM90_WGRAD_EPILOGUE one of
+    DW_EPILOGUES; anything else is an error naming the variable; cutlass never takes our kernel,
+    nor does a platform without it."""
     from jax_moe_permute import _native, gemm_primitives
     sizes = (1, 4096, 256, 512, 16)  # batch, rows, k, n, groups: 256 rows a group
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "fastest")
@@ -218,6 +219,12 @@ def test_weight_grad_kernel_variable(monkeypatch):
     assert not gemm_primitives.use_own_wgrad_kernel(*sizes)
     monkeypatch.delenv("MOE_GROUPED_GEMM_DW_KERNEL")
     assert gemm_primitives.use_own_wgrad_kernel(*sizes) == _native.has_target("cuda", "ragged_dot_wgrad_sm90")
+    monkeypatch.setenv("MOE_SM90_WGRAD_EPILOGUE", "smem")  # the kernel's epilogue: checked as well
+    with pytest.raises(ValueError, match="MOE_SM90_WGRAD_EPILOGUE"):
+        gemm_primitives.use_own_wgrad_kernel(*sizes)
+    for epilogue in gemm_primitives.DW_EPILOGUES:
+        monkeypatch.setenv("MOE_SM90_WGRAD_EPILOGUE", epilogue)
+        assert gemm_primitives.use_own_wgrad_kernel(*sizes) == _native.has_target("cuda", "ragged_dot_wgrad_sm90")
 
 
 _SHARD_MAP_SCRIPT = textwrap.dedent("""
@@ -352,20 +359,22 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.parametrize("epilogue", ["registers3", "tma", "warps"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_persistent_weight_grad_tma_store_epilogue(dtype, monkeypatch):
-    """The persistent dW kernel's epilogue through shared memory and TMA stores
-    (MOE_SM90_WGRAD_TMA_STORE=1, read at every launch) writes bitwise what the register epilogue
-    writes, on every edge of the group sizes, including K and N not multiples of its tile and
-    groups without rows (their zero tiles)."""
+def test_persistent_weight_grad_epilogues(dtype, epilogue, monkeypatch):
+    """Each epilogue of the persistent dW kernel (MOE_SM90_WGRAD_EPILOGUE, read at every launch:
+    the register one on 3 stages, the tile staged in shared memory and stored by TMA or by the
+    producer's store warps) writes bitwise what the default register epilogue writes, on every
+    edge of the group sizes, including K and N not multiples of its tile and groups without rows
+    (their zero tiles)."""
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
     for G, M, K, N in ((8, 2048, 256, 512), (24, 700, 192, 64), (3, 300, 2048, 1536)):
         lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
         d_rhs_of = jax.jit(lambda a, c, sizes: jax.vjp(lambda b: jmp.ragged_dot(a, b, sizes), rhs)[1](c)[0])
         for name, sizes in edge_cases(M, G):
-            monkeypatch.setenv("MOE_SM90_WGRAD_TMA_STORE", "0")
+            monkeypatch.setenv("MOE_SM90_WGRAD_EPILOGUE", "registers")
             want = np.asarray(d_rhs_of(lhs, cot, sizes), np.float32)
-            monkeypatch.setenv("MOE_SM90_WGRAD_TMA_STORE", "1")
+            monkeypatch.setenv("MOE_SM90_WGRAD_EPILOGUE", epilogue)
             got = np.asarray(d_rhs_of(lhs, cot, sizes), np.float32)
             np.testing.assert_array_equal(got, want, err_msg=f"{name} G={G} M={M} K={K} N={N}")
         r_rhs = jax.vjp(lambda b: ref_ragged_dot(lhs.astype(jnp.float32), b, sizes),

@@ -28,15 +28,16 @@ def med(f, *a):
     return float(np.median(ms)) * 1e3
 
 
-# persistent-tma-store: our kernel with its epilogue through shared memory and TMA stores.
-KERNELS = ("cutlass", "persistent", "persistent-tma-store")
+# persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu).
+KERNELS = ("cutlass", "persistent-registers", "persistent-registers3", "persistent-tma", "persistent-warps")
 
 
 def select(kernel):
     """The kernel is chosen when the call is lowered, its epilogue at every launch: the variables
     stay set while it is timed."""
-    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kernel.removesuffix("-tma-store")
-    os.environ["MOE_SM90_WGRAD_TMA_STORE"] = "1" if kernel.endswith("-tma-store") else "0"
+    kind, _, epilogue = kernel.partition("-")
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kind
+    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = epilogue or "registers"
 
 
 def wgrad_fn(kernel, sizes):
@@ -88,7 +89,7 @@ if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
         # + gather: the fused first GEMM too (MOE_GATHER_GEMM=1, read when the layer is traced):
         # every GEMM of the layer but d lhs on our hand-written kernels.
         for config, kernel, gathers in (("cutlass", "cutlass", "0"), ("persistent", "persistent", "0"),
-                                        ("persistent, TMA stores", "persistent-tma-store", "0"),
+                                        ("persistent, store warps", "persistent-warps", "0"),
                                         ("persistent + gather", "persistent", "1")):
             select(kernel)
             os.environ["MOE_GATHER_GEMM"] = gathers

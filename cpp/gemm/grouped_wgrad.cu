@@ -10,8 +10,9 @@
 // loaded. Bit-identical to CUTLASS's output; 0.97-1.42x its rate on Qwen3's dW (H100), so the
 // default where groups average fewer than kLongGroupRows rows (grouped_wgrad_preferred). With the
 // register epilogue its tiles take their MMA plus their stores' drain, one after the other; the
-// TMA-store epilogue (MOE_SM90_WGRAD_TMA_STORE=1) stages the whole output tile in shared memory so
-// that the drain runs under the next tile's MMA (docs/design-notes.md, "Grouped GEMM tiles", item 8).
+// other epilogues (MOE_SM90_WGRAD_EPILOGUE, an A/B switch) stage the whole output tile in shared
+// memory so that the drain can run under the next tile's MMA (docs/design-notes.md, "Grouped GEMM
+// tiles", item 8).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
@@ -25,7 +26,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
-#include <type_traits>
 
 #include "cuda_check.h"
 #include "grouped_wgrad.h"
@@ -41,18 +41,33 @@ constexpr int kTileN = 256;    // columns of out[g] per tile (columns of rhs): B
 constexpr int kStepRows = 64;  // rows of lhs and rhs reduced per stage
 constexpr int kMaxGroups = 1024;
 constexpr int kGroupTableBytes = 2 * kMaxGroups * 4;  // each group's first and end row
-// The register epilogue keeps 4 stages. The TMA-store epilogue gives one up for the whole output
-// tile, 128 x 256 (each consumer's 64 rows: four 64 x 64 boxes), 1024-aligned (the swizzle's) after
-// the tables: the consumers write it and go on to the next tile while TMA drains it.
-using RegisterStoreRing = StageRing;
-using TmaStoreRing = StageRingOf<3>;
+
+// How a tile leaves the consumers: MOE_SM90_WGRAD_EPILOGUE (an A/B switch, read at every launch).
+enum class Epilogue {
+  kRegisters,   // "registers" (the default): 16-byte stores straight from registers; 4 stages
+  kTma,         // "tma": the whole tile staged in shared memory, stored by TMA; 3 stages
+  kStoreWarps,  // "warps": the whole tile staged, stored by warps 1-3 of the producer warpgroup; 3 stages
+  kRegisters3,  // "registers3": kRegisters on 3 stages, the control for the stage count
+};
+template <Epilogue E>
+constexpr bool kStaged = E == Epilogue::kTma || E == Epilogue::kStoreWarps;
+// Warp 0 of the producer warpgroup loads; with kStoreWarps the other three store.
+template <Epilogue E>
+using RingOf = StageRingOf<E == Epilogue::kRegisters ? 4 : 3, E == Epilogue::kStoreWarps ? 32 : 128>;
+
+// A staged tile, 128 x 256 (each consumer's 64 rows: four 64 x 64 boxes in TMA's 128-byte
+// swizzle), follows the tables and the staged tile's barriers (kStoreWarps: each consumer's half
+// full, then each half empty), 1024-aligned (the swizzle's). A staging ring gives up a stage for it.
 constexpr int kConsumerOutBytes = 4 * kBoxBytes;
+constexpr int kOutBarriersOffset = kGroupTableBytes;
 constexpr int kOutTileOffset =
-    (TmaStoreRing::kTablesOffset + kGroupTableBytes + 1023) / 1024 * 1024 - TmaStoreRing::kTablesOffset;
-constexpr int kSmemBytes = RegisterStoreRing::smem_bytes(kGroupTableBytes);
-constexpr int kSmemBytesTmaStore = TmaStoreRing::smem_bytes(kOutTileOffset + 2 * kConsumerOutBytes);
+    (RingOf<Epilogue::kTma>::kTablesOffset + kGroupTableBytes + 4 * 8 + 1023) / 1024 * 1024 - RingOf<Epilogue::kTma>::kTablesOffset;
+template <Epilogue E>
+constexpr int kSmemBytes = RingOf<E>::smem_bytes(kStaged<E> ? kOutTileOffset + 2 * kConsumerOutBytes : kGroupTableBytes);
 constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
-static_assert(kSmemBytes <= 227 * 1024 && kSmemBytesTmaStore <= 227 * 1024);
+constexpr int kStoreThreads = 96;                      // kStoreWarps: warps 1-3
+static_assert(kSmemBytes<Epilogue::kRegisters> <= 227 * 1024 && kSmemBytes<Epilogue::kTma> <= 227 * 1024);
+static_assert(RingOf<Epilogue::kTma>::kTablesOffset == RingOf<Epilogue::kStoreWarps>::kTablesOffset);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
@@ -133,34 +148,35 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
   }
 }
 
-// The same rows through shared memory and TMA stores (MOE_SM90_WGRAD_TMA_STORE=1, an A/B switch):
-// the consumer writes its 64 x 256 rows, four 64 x 64 boxes in TMA's 128-byte swizzle, into its
-// part of the staged tile, one thread stores them, and the consumer goes on to the next tile at
-// once. The stores drain under that tile's MMA (64 KB a tile at an SM's share of the write
-// bandwidth takes about as long as the tile's MMA); the buffer is written again only after they
-// have read it (docs/design-notes.md, "Grouped GEMM tiles", item 8).
-template <class T, int kConsumer>
-__device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, const TmaStoreRing& ring,
-                                               const CUtensorMap* out_map, const float (&acc)[128]) {
-  constexpr int consumer = kConsumer, barrier = kEpilogueBarrier + kConsumer;
-  const int k0 = t.k0 + 64 * consumer;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
-  if (k0 >= p.k) return;
-  const uint32_t out_tile = ring.base + TmaStoreRing::kTablesOffset + kOutTileOffset + consumer * kConsumerOutBytes;
+// A staged tile's half of consumer `consumer`, and its barriers (kStoreWarps).
+template <class Ring>
+__device__ __forceinline__ uint32_t staged_half(const Ring& ring, int consumer) {
+  return ring.base + Ring::kTablesOffset + kOutTileOffset + consumer * kConsumerOutBytes;
+}
+template <class Ring>
+__device__ __forceinline__ uint32_t half_full(const Ring& ring, int consumer) {
+  return ring.base + Ring::kTablesOffset + kOutBarriersOffset + 8 * consumer;
+}
+template <class Ring>
+__device__ __forceinline__ uint32_t half_empty(const Ring& ring, int consumer) {
+  return ring.base + Ring::kTablesOffset + kOutBarriersOffset + 8 * (2 + consumer);
+}
+
+// The consumer's 64 rows, columns [0, 64 boxes), rounded to T into its half of the staged tile:
+// 64 x 64 boxes in TMA's 128-byte swizzle (row r's 16-byte chunk c at r * 128 + ((c ^ r % 8) * 16)).
+template <class T>
+__device__ __forceinline__ void stage_rows(uint32_t half, int boxes, const float (&acc)[128]) {
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31, q = lane & 3;
-  const bool leader = (threadIdx.x & 127) == 0;
-  const int boxes = int(min(int64_t(4), (p.n - t.n0) / kBox));  // p.n % 64 == 0
-  if (leader) tma_store_wait_read();  // the previous tile's stores have left the buffer
-  named_barrier_sync<barrier, 128>();
 #pragma unroll
   for (int b = 0; b < 4; ++b) {  // the tile's columns [64 b, 64 b + 64)
     if (b >= boxes) break;
-    const uint32_t box = out_tile + b * kBoxBytes;
+    const uint32_t box = half + b * kBoxBytes;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * warp + lane / 4 + 8 * half;  // of the consumer's 64; row % 8 == lane / 4
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + lane / 4 + 8 * h;  // of the consumer's 64; row % 8 == lane / 4
 #pragma unroll
       for (int mm = 0; mm < 2; ++mm) {  // column groups 4 m .. 4 m + 3, m = 2 b + mm: 32 columns
-        const uint4 w = accumulator_chunk<T>(acc, 2 * b + mm, half);
+        const uint4 w = accumulator_chunk<T>(acc, 2 * b + mm, h);
         const int chunk = 4 * mm + q;  // 16-byte chunk of the box's 128-byte row
         const uint32_t addr = box + row * 128 + (uint32_t(chunk ^ (lane / 4)) << 4);
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
@@ -168,55 +184,131 @@ __device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, c
       }
     }
   }
+}
+
+// kTma: the consumer stages its rows and one thread stores them by TMA; the consumer goes on to
+// the next tile at once, and only the next tile's epilogue waits for the stores to have read the
+// buffer. (Measured on an H100: slower than the register epilogue; docs/design-notes.md,
+// "Grouped GEMM tiles", item 8.)
+template <class T, int kConsumer, class Ring>
+__device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, const Ring& ring,
+                                               const CUtensorMap* out_map, const float (&acc)[128]) {
+  constexpr int barrier = kEpilogueBarrier + kConsumer;
+  const int k0 = t.k0 + 64 * kConsumer;  // p.k % 64 == 0: a consumer's 64 rows are all in or all out
+  if (k0 >= p.k) return;
+  const uint32_t half = staged_half(ring, kConsumer);
+  const bool leader = (threadIdx.x & 127) == 0;
+  const int boxes = int(min(int64_t(4), (p.n - t.n0) / kBox));  // p.n % 64 == 0
+  if (leader) tma_store_wait_read();  // the previous tile's stores have left the buffer
+  named_barrier_sync<barrier, 128>();
+  stage_rows<T>(half, boxes, acc);
   fence_smem_to_tma();
   named_barrier_sync<barrier, 128>();
   if (leader) {
-    for (int b = 0; b < boxes; ++b) tma_store_3d(out_map, out_tile + b * kBoxBytes, t.n0 + 64 * b, k0, t.group);
+    for (int b = 0; b < boxes; ++b) tma_store_3d(out_map, half + b * kBoxBytes, t.n0 + 64 * b, k0, t.group);
     tma_store_commit();
   }
 }
 
-// cp.async of BOXES 64-column boxes of rows [row0, row0 + 64) of a [rows, cols] array from column
-// col0 into a stage (dst: the stage plus this thread's box_offset): chunk `chunk` of rows row_sub + 16 j.
-// Rows from row_end on and columns from cols on are zero-filled.
-template <int BOXES, class T>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t cols, int col0, int row0, int row_end,
-                                          int row_sub, int chunk) {
+// kStoreWarps, consumer side: once the store warps have emptied its half, the consumer stages its
+// rows there and goes on to the next tile. `phase`: the consumer's count of staged tiles, mod 2.
+template <class T, class Ring>
+__device__ __forceinline__ void stage_tile_for_warps(const Params& p, const Tile& t, const Ring& ring, int consumer,
+                                                     uint32_t& phase, const float (&acc)[128]) {
+  if (t.k0 + 64 * consumer >= p.k) return;  // the store warps skip it too
+  mbar_wait(half_empty(ring, consumer), phase ^ 1);
+  stage_rows<T>(staged_half(ring, consumer), int(min(int64_t(4), (p.n - t.n0) / kBox)), acc);
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(half_full(ring, consumer));
+  phase ^= 1;
+}
+
+// kStoreWarps, store side (warps 1-3 of the producer warpgroup): each staged half to out[g] with
+// 16-byte stores, 8 threads a 128-byte row segment; the consumers do not wait for the stores.
+template <class T, class Ring>
+__device__ __forceinline__ void store_staged_tiles(const Params& p, const Ring& ring, const int32_t* group_start,
+                                                   const int32_t* group_end) {
+  const int t = threadIdx.x - 32;  // 0 .. kStoreThreads - 1
+  uint32_t phase[2] = {0, 0};
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const Tile tl = decode_tile(tile, p, group_start, group_end);
+    const int boxes = int(min(int64_t(4), (p.n - tl.n0) / kBox));
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int row = row0 + row_sub + 16 * j;
-#pragma unroll
-    for (int b = 0; b < BOXES; ++b) {
-      const int64_t col = col0 + b * kBox + chunk * 8;
-      const bool ok = row < row_end && col < cols;
-      cp_async_16_zfill(dst + b * kBoxBytes + j * (16 * 128), ok ? src + int64_t(row) * cols + col : src, ok ? 16 : 0);
+    for (int c = 0; c < 2; ++c) {
+      const int k0 = tl.k0 + 64 * c;
+      if (k0 >= p.k) continue;
+      mbar_wait(half_full(ring, c), phase[c]);
+      const uint32_t half = staged_half(ring, c);
+      T* out = static_cast<T*>(p.out) + (int64_t(tl.group) * p.k + k0) * p.n + tl.n0;
+      for (int i = t; i < boxes * 512; i += kStoreThreads) {  // 512 chunks a box: 64 rows x 8
+        const int b = i >> 9, r = (i >> 3) & 63, chunk = i & 7;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(half + b * kBoxBytes + r * 128 + (uint32_t(chunk ^ (r & 7)) << 4)));
+        *reinterpret_cast<uint4*>(out + int64_t(r) * p.n + 64 * b + 8 * chunk) = v;
+      }
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(half_empty(ring, c));
+      phase[c] ^= 1;
     }
   }
 }
 
-template <class T, bool kTmaStore>
+// cp.async of BOXES 64-column boxes of rows [row0, row0 + 64) of a [rows, cols] array from column
+// col0 into a stage by kLoaders threads: thread t copies 16-byte chunk t % 8 of rows t / 8 + (kLoaders / 8) j,
+// each landing where TMA's 128-byte swizzle puts it (the MN-major layout wgmma reads). Rows from
+// row_end on and columns from cols on are zero-filled.
+template <int BOXES, int kLoaders, class T>
+__device__ __forceinline__ void copy_rows(uint32_t stage, const T* src, int64_t cols, int col0, int row0, int row_end,
+                                          int t) {
+  constexpr int kRowStep = kLoaders / 8, kUnroll = kLoaders == 128 ? 4 : 1;  // 32 loaders: 56 registers
+  const int chunk = t & 7, row_sub = t >> 3;
+#pragma unroll kUnroll
+  for (int j = 0; j < kStepRows / kRowStep; ++j) {
+    const int r = row_sub + kRowStep * j, row = row0 + r;
+    const uint32_t dst = stage + r * 128 + (uint32_t(chunk ^ (r & 7)) << 4);
+#pragma unroll
+    for (int b = 0; b < BOXES; ++b) {
+      const int64_t col = col0 + b * kBox + chunk * 8;
+      const bool ok = row < row_end && col < cols;
+      cp_async_16_zfill(dst + b * kBoxBytes, ok ? src + int64_t(row) * cols + col : src, ok ? 16 : 0);
+    }
+  }
+}
+
+template <class T, Epilogue E>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                          const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
+  using Ring = RingOf<E>;
+  constexpr int kLoaders = E == Epilogue::kStoreWarps ? 32 : 128;
   extern __shared__ uint8_t smem_raw[];
-  std::conditional_t<kTmaStore, TmaStoreRing, RegisterStoreRing> ring(smem_raw);
+  Ring ring(smem_raw);
   int32_t* group_start = ring.template tables<int32_t>();
   int32_t* group_end = ring.template tables<int32_t>(kMaxGroups * 4);
   if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
-  if (threadIdx.x == 32) ring.init_barriers();
+  if (threadIdx.x == 32) {
+    if constexpr (E == Epilogue::kStoreWarps) {
+      for (int c = 0; c < 2; ++c) {
+        mbar_init(half_full(ring, c), 4);               // the consumer's warps
+        mbar_init(half_empty(ring, c), kStoreThreads / 32);  // the store warps
+      }
+    }
+    ring.init_barriers();  // and the fence that makes every barrier's init visible
+  }
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
-    // ---------------- producer ----------------
     producer_registers();
-    // cp.async: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j, j < 4, of each 64-column
-    // box. Row r of a box lands at r * 128 + ((chunk ^ (r % 8)) * 16), as TMA's 128-byte swizzle
-    // puts it: the MN-major layout wgmma reads (r % 8 == row_sub % 8 for every j).
+    if (E == Epilogue::kStoreWarps && threadIdx.x >= kLoaders) {
+      store_staged_tiles<T>(p, ring, group_start, group_end);
+      return;
+    }
+    // ---------------- producer (the loading threads) ----------------
     const int t = threadIdx.x;
-    const int chunk = t & 7, row_sub = t >> 3;
-    const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* lhs = static_cast<const T*>(p.lhs);
     const T* rhs = static_cast<const T*>(p.rhs);
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
@@ -233,11 +325,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
             for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
-            mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
+            mbar_arrive(full, Ring::kFullArrivals - 1);  // the other loading threads' arrivals, in one
           }
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
-          copy_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
-          copy_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end, row_sub, chunk);
+          copy_rows<2, kLoaders>(a_stage, lhs, p.k, tl.k0, step_row, tl.row_end, t);
+          copy_rows<4, kLoaders>(b_stage, rhs, p.n, tl.n0, step_row, tl.row_end, t);
           cp_async_arrive_noinc(full);
           if (t == 0) mbar_arrive(full);
         }
@@ -252,6 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
+    uint32_t staged_phase = 0;  // kStoreWarps
     float acc[128];
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, p, group_start, group_end);
@@ -264,14 +357,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         consume.mma(ring, acc, consumer * kBoxBytes, 2048, kBoxBytes, (rows + 15) / 16);
       }
       consume.finish(ring, acc);
-      if constexpr (kTmaStore) {
+      if constexpr (E == Epilogue::kTma) {
         if (consumer == 0) store_tile_tma<T, 0>(p, tl, ring, &out_map, acc);
         else store_tile_tma<T, 1>(p, tl, ring, &out_map, acc);
+      } else if constexpr (E == Epilogue::kStoreWarps) {
+        stage_tile_for_warps<T>(p, tl, ring, consumer, staged_phase, acc);
       } else {
         store_tile<T>(p, tl, row_in_tile, acc);
       }
     }
-    if (kTmaStore && (threadIdx.x & 127) == 0) tma_store_wait_all();
+    if (E == Epilogue::kTma && (threadIdx.x & 127) == 0) tma_store_wait_all();
   }
 }
 
@@ -281,11 +376,26 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-// MOE_SM90_WGRAD_TMA_STORE=1: the epilogue through shared memory and TMA stores (an A/B switch, read
-// at every launch; off by default until measured).
-bool tma_store_epilogue() {
-  const char* v = std::getenv("MOE_SM90_WGRAD_TMA_STORE");
-  return v != nullptr && std::string_view(v) == "1";
+// MOE_SM90_WGRAD_EPILOGUE: registers (default) | tma | warps | registers3; false for anything else.
+bool epilogue_from_env(Epilogue* e) {
+  const char* v = std::getenv("MOE_SM90_WGRAD_EPILOGUE");
+  const std::string_view s = v == nullptr ? "registers" : v;
+  if (s == "registers") *e = Epilogue::kRegisters;
+  else if (s == "tma") *e = Epilogue::kTma;
+  else if (s == "warps") *e = Epilogue::kStoreWarps;
+  else if (s == "registers3") *e = Epilogue::kRegisters3;
+  else return false;
+  return true;
+}
+
+template <class T, Epilogue E>
+cudaError_t launch_kernel(const Params& p, int64_t blocks, const CUtensorMap& lhs_map, const CUtensorMap& rhs_map,
+                          const CUtensorMap& out_map, cudaStream_t stream) {
+  auto kernel = grouped_wgrad_kernel<T, E>;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<E>));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes<E>, stream>>>(p, lhs_map, rhs_map, out_map);
+  MOE_CHECK_LAUNCH();
+  return cudaSuccess;
 }
 
 template <class T>
@@ -304,13 +414,14 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
   p.tiles = int(tiles);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
-  const bool tma_store = tma_store_epilogue();
-  auto kernel = tma_store ? grouped_wgrad_kernel<T, true> : grouped_wgrad_kernel<T, false>;
-  const int smem = tma_store ? kSmemBytesTmaStore : kSmemBytes;
-  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, lhs_map, rhs_map, out_map);
-  MOE_CHECK_LAUNCH();
-  return cudaSuccess;
+  Epilogue e;
+  if (!epilogue_from_env(&e)) return cudaErrorInvalidValue;
+  switch (e) {
+    case Epilogue::kTma: return launch_kernel<T, Epilogue::kTma>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    case Epilogue::kStoreWarps: return launch_kernel<T, Epilogue::kStoreWarps>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    case Epilogue::kRegisters3: return launch_kernel<T, Epilogue::kRegisters3>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    default: return launch_kernel<T, Epilogue::kRegisters>(p, blocks, lhs_map, rhs_map, out_map, stream);
+  }
 }
 
 }  // namespace

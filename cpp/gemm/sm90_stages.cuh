@@ -25,16 +25,17 @@ constexpr int kBoxBytes = kBox * 64 * 2;     // 8 KiB: 64 x 64
 constexpr int kStageABytes = 2 * kBoxBytes;  // 128 x 64
 constexpr int kStageBBytes = 4 * kBoxBytes;  // 256 x 64
 constexpr int kConsumerWarps = 8;
-// One per producer thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
-// all in one) + thread 0's TMA expect-tx.
-constexpr int kFullArrivals = 128 + 1;
 
 // One thread's view of a ring of kStages stages: addresses, and its position (stage, phase), which
 // producer and consumers advance through the same sequence. Four stages unless a kernel needs the
-// shared memory of one for something else (grouped_wgrad.cu's staged output tile).
-template <int kStages_>
+// shared memory of one for something else (grouped_wgrad.cu's staged output tile). The stages are
+// filled by kLoaders threads of the producer warpgroup (all 128 unless some of it does other work).
+template <int kStages_, int kLoaders = 128>
 struct StageRingOf {
   static constexpr int kStages = kStages_;
+  // One per loading thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
+  // all in one) + thread 0's TMA expect-tx.
+  static constexpr int kFullArrivals = kLoaders + 1;
   static constexpr int kBOffset = kStages * kStageABytes;
   static constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
   static constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
