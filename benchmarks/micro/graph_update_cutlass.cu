@@ -12,6 +12,8 @@
 #include "grouped_gemm_setup.cu"
 
 MOE_GROUPED_GEMM_INSTANCE(moe::gemm::Dtype::kBf16, moe::gemm::Layout::kForward, moe::gemm::Tile::k128x256)
+MOE_GROUPED_GEMM_INSTANCE(moe::gemm::Dtype::kBf16, moe::gemm::Layout::kForward, moe::gemm::Tile::k64x256)
+MOE_GROUPED_GEMM_INSTANCE(moe::gemm::Dtype::kBf16, moe::gemm::Layout::kWeightGrad, moe::gemm::Tile::k128x128)
 
 using namespace moe::gemm;
 
@@ -19,6 +21,7 @@ struct Buffers {
   GroupedGemmArgs a;
 };
 
+template <Layout L, Tile TILE>
 Buffers make(int64_t groups, int64_t rows, int64_t k, int64_t n) {
   Buffers b;
   GroupedGemmArgs& a = b.a;
@@ -26,21 +29,22 @@ Buffers make(int64_t groups, int64_t rows, int64_t k, int64_t n) {
   void *lhs, *rhs, *out, *ws;
   int32_t* sizes;
   cudaMalloc(&lhs, rows * k * 2);
-  cudaMalloc(&rhs, groups * k * n * 2);
-  cudaMalloc(&out, rows * n * 2);
+  cudaMalloc(&rhs, (L == Layout::kWeightGrad ? rows : groups * k) * n * 2);
+  cudaMalloc(&out, (L == Layout::kWeightGrad ? groups * k : rows) * n * 2);
   cudaMalloc(&sizes, groups * 4);
   std::vector<int32_t> h(groups, int32_t(rows / groups));
   cudaMemcpy(sizes, h.data(), groups * 4, cudaMemcpyHostToDevice);
-  a.workspace_bytes = grouped_gemm_workspace_bytes<Dtype::kBf16, Layout::kForward, Tile::k128x256>(groups, 1);
+  a.workspace_bytes = grouped_gemm_workspace_bytes<Dtype::kBf16, L, TILE>(groups, 1);
   cudaMalloc(&ws, a.workspace_bytes + 256);
   a.lhs = lhs, a.rhs = rhs, a.out = out, a.group_sizes = sizes, a.workspace = ws;
   return b;
 }
 
+template <Layout L, Tile TILE>
 cudaGraph_t capture(const GroupedGemmArgs& a, cudaStream_t s, cudaStreamCaptureMode mode) {
   cudaGraph_t g = nullptr;
   cudaStreamBeginCapture(s, mode);
-  cudaError_t e = grouped_gemm<Dtype::kBf16, Layout::kForward, Tile::k128x256>(a, s);
+  cudaError_t e = grouped_gemm<Dtype::kBf16, L, TILE>(a, s);
   cudaError_t e2 = cudaStreamEndCapture(s, &g);
   printf("  capture: launch %s, end %s\n", cudaGetErrorName(e), cudaGetErrorName(e2));
   return g;
@@ -77,18 +81,16 @@ void dump(const char* name, cudaGraph_t g) {
   }
 }
 
-int main() {
-  cudaFree(0);
-  cudaStream_t s;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+template <Layout L, Tile TILE>
+void probe(const char* name, cudaStream_t s) {
   const cudaStreamCaptureMode modes[] = {cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed,
                                          cudaStreamCaptureModeGlobal};
   const char* mode_names[] = {"thread-local", "relaxed", "global"};
   for (int m = 0; m < 3; ++m) {
     for (int same = 0; same < 2; ++same) {
-      printf("capture mode %s, second capture on %s buffers\n", mode_names[m], same ? "the same" : "new");
-      Buffers x = make(16, 1024, 512, 256), y = same ? x : make(16, 1024, 512, 256);
-      cudaGraph_t g1 = capture(x.a, s, modes[m]);
+      printf("%s: capture mode %s, second capture on %s buffers\n", name, mode_names[m], same ? "the same" : "new");
+      Buffers x = make<L, TILE>(16, 1024, 512, 256), y = same ? x : make<L, TILE>(16, 1024, 512, 256);
+      cudaGraph_t g1 = capture<L, TILE>(x.a, s, modes[m]);
       cudaGraph_t parent;
       cudaGraphCreate(&parent, 0);
       cudaGraphNode_t node;
@@ -97,7 +99,7 @@ int main() {
       cudaError_t e0 = cudaGraphInstantiate(&exec, parent, 0);
       cudaError_t e_run0 = cudaGraphLaunch(exec, s);
       cudaStreamSynchronize(s);
-      cudaGraph_t g2 = capture(y.a, s, modes[m]);
+      cudaGraph_t g2 = capture<L, TILE>(y.a, s, modes[m]);
       cudaError_t e1 = cudaGraphExecChildGraphNodeSetParams(exec, node, g2);
       cudaGetLastError();
       cudaError_t e2 = cudaGraphLaunch(exec, s);
@@ -121,5 +123,14 @@ int main() {
       }
     }
   }
+}
+
+int main() {
+  cudaFree(0);
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  probe<Layout::kForward, Tile::k128x256>("forward 128x256", s);
+  probe<Layout::kForward, Tile::k64x256>("forward 64x256", s);
+  probe<Layout::kWeightGrad, Tile::k128x128>("dW 128x128", s);
   return 0;
 }
