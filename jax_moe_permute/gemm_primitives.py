@@ -175,7 +175,7 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
 DW_KERNELS = ("auto", "cutlass", "persistent")
 # The persistent kernel's epilogues, read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu;
 # an A/B switch, checked here so that a typo fails when the call is lowered).
-DW_EPILOGUES = ("registers", "registers3", "tma", "warps")
+DW_EPILOGUES = ("registers", "registers3", "tma", "warps", "tma-paced")
 
 
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:

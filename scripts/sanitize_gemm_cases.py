@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-with each epilogue, dw:persistent-registers, -registers3, -tma and -warps, unless some are named:
-racecheck is slow on these kernels)
+with each epilogue, dw:persistent-registers, -registers3, -tma, -warps and -tma-paced, unless
+some are named: racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -30,7 +30,7 @@ CASES = [  # (M, K, N, group sizes)
 ]
 # Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue.
 DW_VARIANTS = {f"dw:persistent-{e}": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_EPILOGUE": e}
-               for e in ("registers", "registers3", "tma", "warps")}
+               for e in ("registers", "registers3", "tma", "warps", "tma-paced")}
 ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE")
 
 

@@ -359,12 +359,12 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("epilogue", ["registers3", "tma", "warps"])
+@pytest.mark.parametrize("epilogue", ["registers3", "tma", "warps", "tma-paced"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_persistent_weight_grad_epilogues(dtype, epilogue, monkeypatch):
     """Each epilogue of the persistent dW kernel (MOE_SM90_WGRAD_EPILOGUE, read at every launch:
-    the register one on 3 stages, the tile staged in shared memory and stored by TMA or by the
-    producer's store warps) writes bitwise what the default register epilogue writes, on every
+    the register one on 3 stages, the tile staged in shared memory and stored by TMA, by the
+    producer's store warps or by TMA one box at a time from the producer) writes bitwise what the default register epilogue writes, on every
     edge of the group sizes, including K and N not multiples of its tile and groups without rows
     (their zero tiles)."""
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")

@@ -29,7 +29,8 @@ def med(f, *a):
 
 
 # persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu).
-KERNELS = ("cutlass", "persistent-registers", "persistent-registers3", "persistent-tma", "persistent-warps")
+KERNELS = ("cutlass", "persistent-registers", "persistent-registers3", "persistent-tma", "persistent-warps",
+           "persistent-tma-paced")
 
 
 def select(kernel):

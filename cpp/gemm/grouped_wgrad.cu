@@ -47,16 +47,20 @@ enum class Epilogue {
   kRegisters,   // "registers" (the default): 16-byte stores straight from registers; 4 stages
   kTma,         // "tma": the whole tile staged in shared memory, stored by TMA; 3 stages
   kStoreWarps,  // "warps": the whole tile staged, stored by warps 1-3 of the producer warpgroup; 3 stages
+  kTmaPaced,    // "tma-paced": the whole tile staged, stored by TMA one box at a time by a thread of
+                // the producer warpgroup's warp 1 (its next box only once the last has been read); 3 stages
   kRegisters3,  // "registers3": kRegisters on 3 stages, the control for the stage count
 };
 template <Epilogue E>
-constexpr bool kStaged = E == Epilogue::kTma || E == Epilogue::kStoreWarps;
-// Warp 0 of the producer warpgroup loads; with kStoreWarps the other three store.
+constexpr bool kStaged = E != Epilogue::kRegisters && E != Epilogue::kRegisters3;
+// The staged tile stored by the producer warpgroup, whose warp 0 alone then loads.
 template <Epilogue E>
-using RingOf = StageRingOf<E == Epilogue::kRegisters ? 4 : 3, E == Epilogue::kStoreWarps ? 32 : 128>;
+constexpr bool kProducerStores = E == Epilogue::kStoreWarps || E == Epilogue::kTmaPaced;
+template <Epilogue E>
+using RingOf = StageRingOf<E == Epilogue::kRegisters ? 4 : 3, kProducerStores<E> ? 32 : 128>;
 
 // A staged tile, 128 x 256 (each consumer's 64 rows: four 64 x 64 boxes in TMA's 128-byte
-// swizzle), follows the tables and the staged tile's barriers (kStoreWarps: each consumer's half
+// swizzle), follows the tables and the staged tile's barriers (kProducerStores: each consumer's half
 // full, then each half empty), 1024-aligned (the swizzle's). A staging ring gives up a stage for it.
 constexpr int kConsumerOutBytes = 4 * kBoxBytes;
 constexpr int kOutBarriersOffset = kGroupTableBytes;
@@ -66,6 +70,9 @@ template <Epilogue E>
 constexpr int kSmemBytes = RingOf<E>::smem_bytes(kStaged<E> ? kOutTileOffset + 2 * kConsumerOutBytes : kGroupTableBytes);
 constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
 constexpr int kStoreThreads = 96;                      // kStoreWarps: warps 1-3
+// Arrivals on a staged half's empty barrier: each store warp, or the one storing thread.
+template <Epilogue E>
+constexpr int kStoreArrivals = E == Epilogue::kStoreWarps ? kStoreThreads / 32 : 1;
 static_assert(kSmemBytes<Epilogue::kRegisters> <= 227 * 1024 && kSmemBytes<Epilogue::kTma> <= 227 * 1024);
 static_assert(RingOf<Epilogue::kTma>::kTablesOffset == RingOf<Epilogue::kStoreWarps>::kTablesOffset);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
@@ -148,7 +155,7 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int r
   }
 }
 
-// A staged tile's half of consumer `consumer`, and its barriers (kStoreWarps).
+// A staged tile's half of consumer `consumer`, and its barriers (kProducerStores).
 template <class Ring>
 __device__ __forceinline__ uint32_t staged_half(const Ring& ring, int consumer) {
   return ring.base + Ring::kTablesOffset + kOutTileOffset + consumer * kConsumerOutBytes;
@@ -210,25 +217,30 @@ __device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, c
   }
 }
 
-// kStoreWarps, consumer side: once the store warps have emptied its half, the consumer stages its
-// rows there and goes on to the next tile. `phase`: the consumer's count of staged tiles, mod 2.
-template <class T, class Ring>
-__device__ __forceinline__ void stage_tile_for_warps(const Params& p, const Tile& t, const Ring& ring, int consumer,
-                                                     uint32_t& phase, const float (&acc)[128]) {
-  if (t.k0 + 64 * consumer >= p.k) return;  // the store warps skip it too
+// kProducerStores, consumer side: once the producer's stores have emptied its half, the consumer
+// stages its rows there and goes on to the next tile. `phase`: its count of staged tiles, mod 2.
+template <class T, Epilogue E, class Ring>
+__device__ __forceinline__ void stage_tile_for_producer(const Params& p, const Tile& t, const Ring& ring, int consumer,
+                                                        uint32_t& phase, const float (&acc)[128]) {
+  if (t.k0 + 64 * consumer >= p.k) return;  // the storing threads skip it too
   mbar_wait(half_empty(ring, consumer), phase ^ 1);
   stage_rows<T>(staged_half(ring, consumer), int(min(int64_t(4), (p.n - t.n0) / kBox)), acc);
+  if constexpr (E == Epilogue::kTmaPaced) fence_smem_to_tma();
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(half_full(ring, consumer));
   phase ^= 1;
 }
 
-// kStoreWarps, store side (warps 1-3 of the producer warpgroup): each staged half to out[g] with
-// 16-byte stores, 8 threads a 128-byte row segment; the consumers do not wait for the stores.
-template <class T, class Ring>
-__device__ __forceinline__ void store_staged_tiles(const Params& p, const Ring& ring, const int32_t* group_start,
-                                                   const int32_t* group_end) {
+// kProducerStores, store side (warps 1-3 of the producer warpgroup): each staged half to out[g],
+// by kStoreWarps' 96 threads with 16-byte stores (8 threads a 128-byte row segment), or by
+// kTmaPaced's one thread as TMA stores of one box at a time, each issued once the last one has
+// been read out of shared memory (the SM's TMA loads then queue behind at most one box). The
+// consumers do not wait for the stores.
+template <class T, Epilogue E, class Ring>
+__device__ __forceinline__ void store_staged_tiles(const Params& p, const Ring& ring, const CUtensorMap* out_map,
+                                                   const int32_t* group_start, const int32_t* group_end) {
   const int t = threadIdx.x - 32;  // 0 .. kStoreThreads - 1
+  if (E == Epilogue::kTmaPaced && t != 0) return;
   uint32_t phase[2] = {0, 0};
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
     const Tile tl = decode_tile(tile, p, group_start, group_end);
@@ -239,20 +251,30 @@ __device__ __forceinline__ void store_staged_tiles(const Params& p, const Ring& 
       if (k0 >= p.k) continue;
       mbar_wait(half_full(ring, c), phase[c]);
       const uint32_t half = staged_half(ring, c);
-      T* out = static_cast<T*>(p.out) + (int64_t(tl.group) * p.k + k0) * p.n + tl.n0;
-      for (int i = t; i < boxes * 512; i += kStoreThreads) {  // 512 chunks a box: 64 rows x 8
-        const int b = i >> 9, r = (i >> 3) & 63, chunk = i & 7;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(half + b * kBoxBytes + r * 128 + (uint32_t(chunk ^ (r & 7)) << 4)));
-        *reinterpret_cast<uint4*>(out + int64_t(r) * p.n + 64 * b + 8 * chunk) = v;
+      if constexpr (E == Epilogue::kTmaPaced) {
+        for (int b = 0; b < boxes; ++b) {
+          tma_store_3d(out_map, half + b * kBoxBytes, tl.n0 + 64 * b, k0, tl.group);
+          tma_store_commit();
+          tma_store_wait_read();
+        }
+        mbar_arrive(half_empty(ring, c));
+      } else {
+        T* out = static_cast<T*>(p.out) + (int64_t(tl.group) * p.k + k0) * p.n + tl.n0;
+        for (int i = t; i < boxes * 512; i += kStoreThreads) {  // 512 chunks a box: 64 rows x 8
+          const int b = i >> 9, r = (i >> 3) & 63, chunk = i & 7;
+          uint4 v;
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(half + b * kBoxBytes + r * 128 + (uint32_t(chunk ^ (r & 7)) << 4)));
+          *reinterpret_cast<uint4*>(out + int64_t(r) * p.n + 64 * b + 8 * chunk) = v;
+        }
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(half_empty(ring, c));
       }
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) mbar_arrive(half_empty(ring, c));
       phase[c] ^= 1;
     }
   }
+  if constexpr (E == Epilogue::kTmaPaced) tma_store_wait_all();
 }
 
 // cp.async of BOXES 64-column boxes of rows [row0, row0 + 64) of a [rows, cols] array from column
@@ -282,17 +304,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                          const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
   using Ring = RingOf<E>;
-  constexpr int kLoaders = E == Epilogue::kStoreWarps ? 32 : 128;
+  constexpr int kLoaders = kProducerStores<E> ? 32 : 128;
   extern __shared__ uint8_t smem_raw[];
   Ring ring(smem_raw);
   int32_t* group_start = ring.template tables<int32_t>();
   int32_t* group_end = ring.template tables<int32_t>(kMaxGroups * 4);
   if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
   if (threadIdx.x == 32) {
-    if constexpr (E == Epilogue::kStoreWarps) {
+    if constexpr (kProducerStores<E>) {
       for (int c = 0; c < 2; ++c) {
-        mbar_init(half_full(ring, c), 4);               // the consumer's warps
-        mbar_init(half_empty(ring, c), kStoreThreads / 32);  // the store warps
+        mbar_init(half_full(ring, c), 4);  // the consumer's warps
+        mbar_init(half_empty(ring, c), kStoreArrivals<E>);
       }
     }
     ring.init_barriers();  // and the fence that makes every barrier's init visible
@@ -303,8 +325,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     producer_registers();
-    if (E == Epilogue::kStoreWarps && threadIdx.x >= kLoaders) {
-      store_staged_tiles<T>(p, ring, group_start, group_end);
+    if (kProducerStores<E> && threadIdx.x >= kLoaders) {
+      store_staged_tiles<T, E>(p, ring, &out_map, group_start, group_end);
       return;
     }
     // ---------------- producer (the loading threads) ----------------
@@ -344,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
-    uint32_t staged_phase = 0;  // kStoreWarps
+    uint32_t staged_phase = 0;  // kProducerStores
     float acc[128];
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, p, group_start, group_end);
@@ -360,8 +382,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (E == Epilogue::kTma) {
         if (consumer == 0) store_tile_tma<T, 0>(p, tl, ring, &out_map, acc);
         else store_tile_tma<T, 1>(p, tl, ring, &out_map, acc);
-      } else if constexpr (E == Epilogue::kStoreWarps) {
-        stage_tile_for_warps<T>(p, tl, ring, consumer, staged_phase, acc);
+      } else if constexpr (kProducerStores<E>) {
+        stage_tile_for_producer<T, E>(p, tl, ring, consumer, staged_phase, acc);
       } else {
         store_tile<T>(p, tl, row_in_tile, acc);
       }
@@ -376,13 +398,14 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-// MOE_SM90_WGRAD_EPILOGUE: registers (default) | tma | warps | registers3; false for anything else.
+// MOE_SM90_WGRAD_EPILOGUE: registers (default) | registers3 | tma | warps | tma-paced; false for anything else.
 bool epilogue_from_env(Epilogue* e) {
   const char* v = std::getenv("MOE_SM90_WGRAD_EPILOGUE");
   const std::string_view s = v == nullptr ? "registers" : v;
   if (s == "registers") *e = Epilogue::kRegisters;
   else if (s == "tma") *e = Epilogue::kTma;
   else if (s == "warps") *e = Epilogue::kStoreWarps;
+  else if (s == "tma-paced") *e = Epilogue::kTmaPaced;
   else if (s == "registers3") *e = Epilogue::kRegisters3;
   else return false;
   return true;
@@ -419,6 +442,7 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   switch (e) {
     case Epilogue::kTma: return launch_kernel<T, Epilogue::kTma>(p, blocks, lhs_map, rhs_map, out_map, stream);
     case Epilogue::kStoreWarps: return launch_kernel<T, Epilogue::kStoreWarps>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    case Epilogue::kTmaPaced: return launch_kernel<T, Epilogue::kTmaPaced>(p, blocks, lhs_map, rhs_map, out_map, stream);
     case Epilogue::kRegisters3: return launch_kernel<T, Epilogue::kRegisters3>(p, blocks, lhs_map, rhs_map, out_map, stream);
     default: return launch_kernel<T, Epilogue::kRegisters>(p, blocks, lhs_map, rhs_map, out_map, stream);
   }
