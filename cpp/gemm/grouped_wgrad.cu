@@ -16,16 +16,17 @@
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
-// out[g], 64 rows per stage, 4 stages (3 with the TMA-store epilogue). A stage of 64 rows inside
+// out[g], 64 rows per stage, 4 stages (3 with a staged epilogue). A stage of 64 rows inside
 // the group is loaded by TMA (one thread, 2 + 4 boxes); a group's last, partial stage by cp.async
-// from all 128 producer threads, zero-filled past the group's end so that nothing of the next
-// group, not even a NaN, enters the product (a TMA box would read the next group's rows). Tiles run group by group (the blocks
-// running at once share one group's rows in L2); a group without rows stores its zero tiles, so
-// there is no zero-fill launch.
+// from the producer's loading threads, zero-filled past the group's end so that nothing of the
+// next group, not even a NaN, enters the product (a TMA box would read the next group's rows).
+// Tiles run group by group (the blocks running at once share one group's rows in L2); a group
+// without rows stores its zero tiles, so there is no zero-fill launch.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "cuda_check.h"
 #include "grouped_wgrad.h"
@@ -64,17 +65,19 @@ using RingOf = StageRingOf<E == Epilogue::kRegisters ? 4 : 3, kProducerStores<E>
 // full, then each half empty), 1024-aligned (the swizzle's). A staging ring gives up a stage for it.
 constexpr int kConsumerOutBytes = 4 * kBoxBytes;
 constexpr int kOutBarriersOffset = kGroupTableBytes;
-constexpr int kOutTileOffset =
-    (RingOf<Epilogue::kTma>::kTablesOffset + kGroupTableBytes + 4 * 8 + 1023) / 1024 * 1024 - RingOf<Epilogue::kTma>::kTablesOffset;
+constexpr int kStagedTables = RingOf<Epilogue::kTma>::kTablesOffset;  // every staging ring's
+constexpr int kOutTileOffset = (kStagedTables + kGroupTableBytes + 4 * 8 + 1023) / 1024 * 1024 - kStagedTables;
 template <Epilogue E>
-constexpr int kSmemBytes = RingOf<E>::smem_bytes(kStaged<E> ? kOutTileOffset + 2 * kConsumerOutBytes : kGroupTableBytes);
+constexpr int kSmemBytes =
+    RingOf<E>::smem_bytes(kStaged<E> ? kOutTileOffset + 2 * kConsumerOutBytes : kGroupTableBytes);
 constexpr int kEpilogueBarrier = kStaggerBarrier + 1;  // + consumer: named barriers 2 and 3
 constexpr int kStoreThreads = 96;                      // kStoreWarps: warps 1-3
 // Arrivals on a staged half's empty barrier: each store warp, or the one storing thread.
 template <Epilogue E>
 constexpr int kStoreArrivals = E == Epilogue::kStoreWarps ? kStoreThreads / 32 : 1;
 static_assert(kSmemBytes<Epilogue::kRegisters> <= 227 * 1024 && kSmemBytes<Epilogue::kTma> <= 227 * 1024);
-static_assert(RingOf<Epilogue::kTma>::kTablesOffset == RingOf<Epilogue::kStoreWarps>::kTablesOffset);
+static_assert(RingOf<Epilogue::kStoreWarps>::kTablesOffset == kStagedTables &&
+              RingOf<Epilogue::kTmaPaced>::kTablesOffset == kStagedTables);
 static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 == kStageBBytes);
 
 struct Params {
@@ -411,6 +414,9 @@ bool epilogue_from_env(Epilogue* e) {
   return true;
 }
 
+template <Epilogue E>
+using Is = std::integral_constant<Epilogue, E>;
+
 template <class T, Epilogue E>
 cudaError_t launch_kernel(const Params& p, int64_t blocks, const CUtensorMap& lhs_map, const CUtensorMap& rhs_map,
                           const CUtensorMap& out_map, cudaStream_t stream) {
@@ -439,12 +445,15 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
   Epilogue e;
   if (!epilogue_from_env(&e)) return cudaErrorInvalidValue;
+  auto run = [&](auto epilogue) {
+    return launch_kernel<T, decltype(epilogue)::value>(p, blocks, lhs_map, rhs_map, out_map, stream);
+  };
   switch (e) {
-    case Epilogue::kTma: return launch_kernel<T, Epilogue::kTma>(p, blocks, lhs_map, rhs_map, out_map, stream);
-    case Epilogue::kStoreWarps: return launch_kernel<T, Epilogue::kStoreWarps>(p, blocks, lhs_map, rhs_map, out_map, stream);
-    case Epilogue::kTmaPaced: return launch_kernel<T, Epilogue::kTmaPaced>(p, blocks, lhs_map, rhs_map, out_map, stream);
-    case Epilogue::kRegisters3: return launch_kernel<T, Epilogue::kRegisters3>(p, blocks, lhs_map, rhs_map, out_map, stream);
-    default: return launch_kernel<T, Epilogue::kRegisters>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    case Epilogue::kTma: return run(Is<Epilogue::kTma>{});
+    case Epilogue::kStoreWarps: return run(Is<Epilogue::kStoreWarps>{});
+    case Epilogue::kTmaPaced: return run(Is<Epilogue::kTmaPaced>{});
+    case Epilogue::kRegisters3: return run(Is<Epilogue::kRegisters3>{});
+    default: return run(Is<Epilogue::kRegisters>{});
   }
 }
 
