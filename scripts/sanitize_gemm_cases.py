@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
+from jax_moe_permute.gemm_primitives import DW_EPILOGUES
 from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES, kernels_available
 
 CASES = [  # (M, K, N, group sizes)
@@ -30,7 +31,7 @@ CASES = [  # (M, K, N, group sizes)
 ]
 # Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue.
 DW_VARIANTS = {f"dw:persistent-{e}": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_EPILOGUE": e}
-               for e in ("registers", "registers3", "tma", "warps", "tma-paced")}
+               for e in DW_EPILOGUES}
 ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE")
 
 

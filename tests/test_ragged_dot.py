@@ -17,6 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_moe_permute as jmp
+from jax_moe_permute import gemm_primitives
 from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES, kernels_available
 
 from conftest import fresh_key, needs_gpu, on_gpu, random_float
@@ -210,7 +211,7 @@ def test_weight_grad_kernel_variable(monkeypatch):
     """MOE_GROUPED_GEMM_DW_KERNEL names auto, cutlass or persistent, MOE_SM90_WGRAD_EPILOGUE one of
     DW_EPILOGUES; anything else is an error naming the variable; cutlass never takes our kernel,
     nor does a platform without it."""
-    from jax_moe_permute import _native, gemm_primitives
+    from jax_moe_permute import _native
     sizes = (1, 4096, 256, 512, 16)  # batch, rows, k, n, groups: 256 rows a group
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "fastest")
     with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_DW_KERNEL"):
@@ -359,14 +360,14 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("epilogue", ["registers3", "tma", "warps", "tma-paced"])
+@pytest.mark.parametrize("epilogue", [e for e in gemm_primitives.DW_EPILOGUES if e != "registers"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_persistent_weight_grad_epilogues(dtype, epilogue, monkeypatch):
     """Each epilogue of the persistent dW kernel (MOE_SM90_WGRAD_EPILOGUE, read at every launch:
     the register one on 3 stages, the tile staged in shared memory and stored by TMA, by the
-    producer's store warps or by TMA one box at a time from the producer) writes bitwise what the default register epilogue writes, on every
-    edge of the group sizes, including K and N not multiples of its tile and groups without rows
-    (their zero tiles)."""
+    producer's store warps or by TMA one box at a time from the producer) writes bitwise what the
+    default register epilogue writes, on every edge of the group sizes, including K and N not
+    multiples of its tile and groups without rows (their zero tiles)."""
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
     for G, M, K, N in ((8, 2048, 256, 512), (24, 700, 192, 64), (3, 300, 2048, 1536)):
         lhs, rhs, cot = random_float((M, K), dtype), random_float((G, K, N), dtype), random_float((M, N), dtype)
@@ -389,7 +390,7 @@ def test_weight_grad_kernel_choice(monkeypatch):
     The choice is made when the call is lowered, so it is checked by lowering for an sm_90 GPU
     (jax.export), which needs the CUDA module but no GPU."""
     from jax import export
-    from jax_moe_permute import _native, gemm_primitives
+    from jax_moe_permute import _native
     if not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         pytest.skip("the CUDA module with the sm_90 GEMM kernels is not built")
     monkeypatch.setattr(gemm_primitives, "gpu_is_sm90", lambda: True)

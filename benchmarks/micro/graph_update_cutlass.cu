@@ -17,14 +17,9 @@ MOE_GROUPED_GEMM_INSTANCE(moe::gemm::Dtype::kBf16, moe::gemm::Layout::kWeightGra
 
 using namespace moe::gemm;
 
-struct Buffers {
-  GroupedGemmArgs a;
-};
-
 template <Layout L, Tile TILE>
-Buffers make(int64_t groups, int64_t rows, int64_t k, int64_t n) {
-  Buffers b;
-  GroupedGemmArgs& a = b.a;
+GroupedGemmArgs make(int64_t groups, int64_t rows, int64_t k, int64_t n) {
+  GroupedGemmArgs a;
   a.batch = 1, a.groups = groups, a.rows = rows, a.k = k, a.n = n;
   void *lhs, *rhs, *out, *ws;
   int32_t* sizes;
@@ -37,7 +32,7 @@ Buffers make(int64_t groups, int64_t rows, int64_t k, int64_t n) {
   a.workspace_bytes = grouped_gemm_workspace_bytes<Dtype::kBf16, L, TILE>(groups, 1);
   cudaMalloc(&ws, a.workspace_bytes + 256);
   a.lhs = lhs, a.rhs = rhs, a.out = out, a.group_sizes = sizes, a.workspace = ws;
-  return b;
+  return a;
 }
 
 template <Layout L, Tile TILE>
@@ -89,8 +84,8 @@ void probe(const char* name, cudaStream_t s) {
   for (int m = 0; m < 3; ++m) {
     for (int same = 0; same < 2; ++same) {
       printf("%s: capture mode %s, second capture on %s buffers\n", name, mode_names[m], same ? "the same" : "new");
-      Buffers x = make<L, TILE>(16, 1024, 512, 256), y = same ? x : make<L, TILE>(16, 1024, 512, 256);
-      cudaGraph_t g1 = capture<L, TILE>(x.a, s, modes[m]);
+      GroupedGemmArgs x = make<L, TILE>(16, 1024, 512, 256), y = same ? x : make<L, TILE>(16, 1024, 512, 256);
+      cudaGraph_t g1 = capture<L, TILE>(x, s, modes[m]);
       cudaGraph_t parent;
       cudaGraphCreate(&parent, 0);
       cudaGraphNode_t node;
@@ -99,7 +94,7 @@ void probe(const char* name, cudaStream_t s) {
       cudaError_t e0 = cudaGraphInstantiate(&exec, parent, 0);
       cudaError_t e_run0 = cudaGraphLaunch(exec, s);
       cudaStreamSynchronize(s);
-      cudaGraph_t g2 = capture<L, TILE>(y.a, s, modes[m]);
+      cudaGraph_t g2 = capture<L, TILE>(y, s, modes[m]);
       cudaError_t e1 = cudaGraphExecChildGraphNodeSetParams(exec, node, g2);
       cudaGetLastError();
       cudaError_t e2 = cudaGraphLaunch(exec, s);

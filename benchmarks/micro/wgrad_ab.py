@@ -1,4 +1,4 @@
-"""The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel (with either epilogue)
+"""The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel (with each epilogue)
 against CUTLASS's ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
 (GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and writing
 its G x K x N output at the copy bandwidth.
@@ -16,6 +16,7 @@ from jax.experimental.mosaic.gpu import profiler
 import jax_moe_permute as jmp
 from jax_moe_permute.bench_gemm import PROBLEMS, problem_inputs
 from jax_moe_permute.bench_timing import copy_ceiling_tbps
+from jax_moe_permute.gemm_primitives import DW_EPILOGUES
 
 LOG = open(sys.argv[1], "a") if len(sys.argv) > 1 and sys.argv[1] != "-" else sys.stdout
 NAMES = sys.argv[2].split(",") if len(sys.argv) > 2 else ["qwen3_w13", "qwen3_w2", "deepseek_w13", "deepseek_w2",
@@ -32,8 +33,7 @@ def med(f, *a, out_bytes=0):
 
 
 # persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu).
-KERNELS = ("cutlass", "persistent-registers", "persistent-registers3", "persistent-tma", "persistent-warps",
-           "persistent-tma-paced")
+KERNELS = ("cutlass",) + tuple(f"persistent-{e}" for e in DW_EPILOGUES)
 
 
 def select(kernel):

@@ -139,6 +139,12 @@ __device__ __forceinline__ Tile decode_tile(int tile, const Params& p, const int
   return t;
 }
 
+// The tile's 64-column boxes of out[g] (and of rhs) inside N: K, N % 64 == 0, so boxes are whole
+// and those past N are neither loaded nor stored.
+__device__ __forceinline__ int column_boxes(const Params& p, const Tile& t) {
+  return int(min(int64_t(kTileN / kBox), (p.n - t.n0) / kBox));
+}
+
 // Rows row_in_tile and row_in_tile + 8 of the tile, from the accumulator (layout in sm90_stages.cuh).
 template <class T>
 __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, int row_in_tile, const float (&acc)[128]) {
@@ -208,7 +214,7 @@ __device__ __forceinline__ void store_tile_tma(const Params& p, const Tile& t, c
   if (k0 >= p.k) return;
   const uint32_t half = staged_half(ring, kConsumer);
   const bool leader = (threadIdx.x & 127) == 0;
-  const int boxes = int(min(int64_t(4), (p.n - t.n0) / kBox));  // p.n % 64 == 0
+  const int boxes = column_boxes(p, t);
   if (leader) tma_store_wait_read();  // the previous tile's stores have left the buffer
   named_barrier_sync<barrier, 128>();
   stage_rows<T>(half, boxes, acc);
@@ -227,7 +233,7 @@ __device__ __forceinline__ void stage_tile_for_producer(const Params& p, const T
                                                         uint32_t& phase, const float (&acc)[128]) {
   if (t.k0 + 64 * consumer >= p.k) return;  // the storing threads skip it too
   mbar_wait(half_empty(ring, consumer), phase ^ 1);
-  stage_rows<T>(staged_half(ring, consumer), int(min(int64_t(4), (p.n - t.n0) / kBox)), acc);
+  stage_rows<T>(staged_half(ring, consumer), column_boxes(p, t), acc);
   if constexpr (E == Epilogue::kTmaPaced) fence_smem_to_tma();
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(half_full(ring, consumer));
@@ -247,7 +253,7 @@ __device__ __forceinline__ void store_staged_tiles(const Params& p, const Ring& 
   uint32_t phase[2] = {0, 0};
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
     const Tile tl = decode_tile(tile, p, group_start, group_end);
-    const int boxes = int(min(int64_t(4), (p.n - tl.n0) / kBox));
+    const int boxes = column_boxes(p, tl);
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int k0 = tl.k0 + 64 * c;
@@ -346,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (t == 0) {
             // K, N % 64 == 0: boxes are whole; those past K or N are not loaded (their rows or
             // columns of out are not stored).
-            const int a_boxes = int(min(int64_t(2), (p.k - tl.k0) / kBox)), b_boxes = int(min(int64_t(4), (p.n - tl.n0) / kBox));
+            const int a_boxes = int(min(int64_t(2), (p.k - tl.k0) / kBox)), b_boxes = column_boxes(p, tl);
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
             for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
