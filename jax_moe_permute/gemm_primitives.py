@@ -175,7 +175,7 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
 DW_KERNELS = ("auto", "cutlass", "persistent")
 # The persistent kernel's epilogues, read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu;
 # an A/B switch, checked here so that a typo fails when the call is lowered).
-DW_EPILOGUES = ("registers", "registers3", "tma", "warps", "tma-paced")
+DW_EPILOGUES = ("tma", "registers")  # the first is the default
 
 
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
@@ -187,7 +187,7 @@ def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> 
     choice = os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "auto")
     if choice not in DW_KERNELS:
         raise ValueError(f"MOE_GROUPED_GEMM_DW_KERNEL must be one of {DW_KERNELS}, got {choice!r}")
-    epilogue = os.environ.get("MOE_SM90_WGRAD_EPILOGUE", "registers")
+    epilogue = os.environ.get("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES[0])
     if epilogue not in DW_EPILOGUES:
         raise ValueError(f"MOE_SM90_WGRAD_EPILOGUE must be one of {DW_EPILOGUES}, got {epilogue!r}")
     if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):

@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-with each epilogue, dw:persistent-registers, -registers3, -tma, -warps and -tma-paced, unless
-some are named: racecheck is slow on these kernels)
+with each epilogue, dw:persistent-tma and dw:persistent-registers, unless some are named:
+racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each

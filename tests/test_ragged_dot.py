@@ -363,10 +363,9 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
 @pytest.mark.parametrize("epilogue", [e for e in gemm_primitives.DW_EPILOGUES if e != "registers"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_persistent_weight_grad_epilogues(dtype, epilogue, monkeypatch):
-    """Each epilogue of the persistent dW kernel (MOE_SM90_WGRAD_EPILOGUE, read at every launch:
-    the register one on 3 stages, the tile staged in shared memory and stored by TMA, by the
-    producer's store warps or by TMA one box at a time from the producer) writes bitwise what the
-    default register epilogue writes, on every edge of the group sizes, including K and N not
+    """Each other epilogue of the persistent dW kernel (MOE_SM90_WGRAD_EPILOGUE, read at every
+    launch; the default: one box at a time through shared memory, stored by TMA) writes bitwise
+    what the register epilogue writes, on every edge of the group sizes, including K and N not
     multiples of its tile and groups without rows (their zero tiles)."""
     monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
     for G, M, K, N in ((8, 2048, 256, 512), (24, 700, 192, 64), (3, 300, 2048, 1536)):

@@ -41,7 +41,7 @@ def select(kernel):
     stay set while it is timed."""
     kind, _, epilogue = kernel.partition("-")
     os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kind
-    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = epilogue or "registers"
+    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = epilogue or DW_EPILOGUES[0]
 
 
 def wgrad_fn(kernel, sizes):
@@ -101,7 +101,7 @@ if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
         # + gather: the fused first GEMM too (MOE_GATHER_GEMM=1, read when the layer is traced):
         # every GEMM of the layer but d lhs on our hand-written kernels.
         for config, kernel, gathers in (("cutlass", "cutlass", "0"), ("persistent", "persistent", "0"),
-                                        ("persistent, store warps", "persistent-warps", "0"),
+                                        ("persistent, register stores", "persistent-registers", "0"),
                                         ("persistent + gather", "persistent", "1")):
             select(kernel)
             os.environ["MOE_GATHER_GEMM"] = gathers

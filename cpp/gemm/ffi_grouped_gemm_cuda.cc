@@ -298,9 +298,10 @@ int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t ex
 
 }  // namespace moe::gemm
 
-// Not marked kCmdBufferCompatible: on the H200 (jax 0.11.2), XLA's update of a command buffer
-// holding CUTLASS's launch on new buffer addresses failed (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE in
-// cuGraphExecChildGraphNodeSetParams), so XLA runs these handlers outside its CUDA graphs.
+// Graph-safe: the setup kernel writes CUTLASS's per-group arguments into the workspace on the
+// device; initialize() derives the kernel parameters from the call's buffers and shapes only (no
+// host copy, no allocation, no synchronization), so a captured call updated on new buffers runs
+// right (tests/test_gpu.py's replay tests; benchmarks/micro/graph_update_cutlass.cu).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotCuda, moe::gemm::RaggedDot,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
@@ -309,8 +310,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotCuda, moe::gemm::RaggedDot,
                                   .Arg<moe::gemm::I32Buffer>()
                                   .Attr<int64_t>("rhs_transposed")
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
-// As RaggedDot (outside command buffers, same reason), on a stacked rhs and its layer.
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+// As RaggedDot, on a stacked rhs and its layer.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotStackedCuda, moe::gemm::RaggedDotStacked,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
@@ -319,7 +321,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotStackedCuda, moe::gemm::RaggedDotStack
                                   .Arg<moe::gemm::I32Buffer>()   // group_sizes [1, G]
                                   .Arg<moe::gemm::I32Buffer>()   // layer []
                                   .Ret<xla::ffi::AnyBuffer>()    // out [1, M, N]
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace
+                                  .Ret<xla::ffi::AnyBuffer>(),   // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotWeightGradCuda, moe::gemm::RaggedDotWeightGrad,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
@@ -327,7 +330,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotWeightGradCuda, moe::gemm::RaggedDotWe
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<moe::gemm::I32Buffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 // Graph-safe: two kernels whose grids and parameters depend on the call's shapes and buffers only
 // (the groups are found on the device), no host copy, no allocation, no synchronization.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotDecodeCuda, moe::gemm::RaggedDotDecode,

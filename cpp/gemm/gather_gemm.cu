@@ -24,7 +24,7 @@ constexpr int kTileRows = 128;  // A of the stage ring: rows gathered from x
 constexpr int kTileCols = 256;  // B: accumulator columns per block tile
 constexpr int kTileK = 64;      // one 128-byte swizzle row of bf16/f16
 constexpr int kMaxExperts = 1024;
-constexpr int kSmemBytes = StageRing::smem_bytes(2 * kMaxExperts * 4);  // + group ends and row-tile ends
+constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxExperts * 4);  // + group ends and row-tile ends
 static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 == kStageBBytes);
 
 struct Params {

@@ -1,8 +1,8 @@
 // The stage ring of our warp-specialized sm90a wgmma kernels (gather_gemm.cu, grouped_wgrad.cu).
 //
-// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each stage (4 by default)
-// holds A, 128 x 64 (two 8 KiB boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64
-// (four boxes), with a full barrier (producer -> consumers) and an empty one (consumers -> producer).
+// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages holds A,
+// 128 x 64 (two 8 KiB boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four
+// boxes), with a full barrier (producer -> consumers) and an empty one (consumers -> producer).
 // Each consumer multiplies its 64 rows of A by all of B (wgmma m64n256k16, 16 x 4 k steps a stage)
 // into 128 f32 accumulators a thread. A kernel's own tables follow the barriers in shared memory.
 //
@@ -20,34 +20,31 @@
 namespace moe::gemm::sm90 {
 
 constexpr int kThreads = 384;
+constexpr int kStages = 4;
 constexpr int kBox = 64;                     // elements per 128-byte swizzle row
 constexpr int kBoxBytes = kBox * 64 * 2;     // 8 KiB: 64 x 64
 constexpr int kStageABytes = 2 * kBoxBytes;  // 128 x 64
 constexpr int kStageBBytes = 4 * kBoxBytes;  // 256 x 64
+constexpr int kBOffset = kStages * kStageABytes;
+constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
+constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
 constexpr int kConsumerWarps = 8;
+// One per producer thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
+// all in one) + thread 0's TMA expect-tx.
+constexpr int kFullArrivals = 128 + 1;
 
-// One thread's view of a ring of kStages stages: addresses, and its position (stage, phase), which
-// producer and consumers advance through the same sequence. Four stages unless a kernel needs the
-// shared memory of one for something else (grouped_wgrad.cu's staged output tile). The stages are
-// filled by kLoaders threads of the producer warpgroup (all 128 unless some of it does other work).
-template <int kStages_, int kLoaders = 128>
-struct StageRingOf {
-  static constexpr int kStages = kStages_;
-  // One per loading thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
-  // all in one) + thread 0's TMA expect-tx.
-  static constexpr int kFullArrivals = kLoaders + 1;
-  static constexpr int kBOffset = kStages * kStageABytes;
-  static constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
-  static constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
-  // Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
-  static constexpr int smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
+// Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
+constexpr int stage_ring_smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
 
+// One thread's view of the ring: addresses, and its position (stage, phase), which producer and
+// consumers advance through the same sequence.
+struct StageRing {
   uint8_t* smem;  // 1024-aligned: the 128-byte swizzle repeats every 1024 bytes of address
   uint32_t base;
   int stage = 0;
   uint32_t phase = 0;
 
-  __device__ explicit StageRingOf(uint8_t* raw)
+  __device__ explicit StageRing(uint8_t* raw)
       : smem(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))),
         base(smem_u32(smem)) {}
 
@@ -76,7 +73,6 @@ struct StageRingOf {
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
 };
-using StageRing = StageRingOf<4>;
 
 // Columns [32 m + 8 q, 32 m + 8 q + 8) of accumulator row 16 wi + l / 4 + 8 half, rounded to T:
 // one 16-byte chunk for lane q = l % 4 (the quad's column groups 4 m .. 4 m + 3 transposed).
@@ -127,8 +123,7 @@ struct StageConsumer {
   // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
   // Only the first k16_steps (1-4) of the stage's 4 are issued: the caller skips those that
   // would multiply only zero-filled rows (the same result, less tensor-core time).
-  template <class Ring>
-  __device__ __forceinline__ void mma(Ring& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
+  __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
                                       uint32_t a_leading_bytes, int k16_steps = 4) {
     const bool first = start();
     mbar_wait(ring.full(ring.stage), ring.phase);
@@ -155,8 +150,7 @@ struct StageConsumer {
   // A stage whose A rows of this consumer are all padding: waited for and released, no wgmma
   // (a branch to a loop of these, not inside mma: a batch that may be empty makes ptxas
   // serialise every wgmma of the kernel).
-  template <class Ring>
-  __device__ __forceinline__ void skip(Ring& ring) {
+  __device__ __forceinline__ void skip(StageRing& ring) {
     start();
     mbar_wait(ring.full(ring.stage), ring.phase);
     arrive_empty(ring, ring.stage);
@@ -164,8 +158,7 @@ struct StageConsumer {
   }
 
   // After a tile's last stage: its wgmma done and its stage released; acc holds the tile.
-  template <class Ring>
-  __device__ __forceinline__ void finish(const Ring& ring, float (&acc)[128]) {
+  __device__ __forceinline__ void finish(const StageRing& ring, float (&acc)[128]) {
     cute::warpgroup_wait<0>();
     fence_accumulators(acc);
     release(ring);
@@ -196,14 +189,12 @@ struct StageConsumer {
     cute::warpgroup_commit_batch();
   }
 
-  template <class Ring>
-  __device__ __forceinline__ void release(const Ring& ring) const {
+  __device__ __forceinline__ void release(const StageRing& ring) const {
     if (prev >= 0) arrive_empty(ring, prev);
   }
 
   // One arrival per warp (the empty barrier counts warps).
-  template <class Ring>
-  __device__ __forceinline__ static void arrive_empty(const Ring& ring, int stage) {
+  __device__ __forceinline__ static void arrive_empty(const StageRing& ring, int stage) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(stage));
   }
