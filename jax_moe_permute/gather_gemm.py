@@ -23,6 +23,7 @@ import os
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -113,14 +114,29 @@ def _abstract(x, row_token, group_sizes, w, *, activation, save_pre):
             _compat.shaped_like(avals, (M if save_pre else 0, N), x.dtype))
 
 
+# How the kernel hands out its tiles: MOE_GATHER_GEMM_SCHEDULE, read by the kernel at every launch
+# (an A/B switch; cpp/gemm/gather_gemm.cu), checked here so that a typo fails when the call is lowered.
+SCHEDULES = ("dynamic", "static")  # the first is the default
+
+
+def check_schedule_variable() -> str:
+    schedule = os.environ.get("MOE_GATHER_GEMM_SCHEDULE", SCHEDULES[0])
+    if schedule not in SCHEDULES:
+        raise ValueError(f"MOE_GATHER_GEMM_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
 def _lower_cuda(ctx, x, row_token, group_sizes, w, *, activation, save_pre):
     x_aval, token_aval, _, w_aval = ctx.avals_in
     if (not _compat.lowers_per_device(ctx) or token_aval.shape[0] == 0
             or not kernel_fits(x_aval, w_aval, token_aval.shape[0], activation)):
         return _lower_unfused(ctx, x, row_token, group_sizes, w, activation=activation, save_pre=save_pre)
+    check_schedule_variable()
+    # One more result: the kernel's tile counter (int32 scratch, zeroed by the handler).
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((1,), jnp.int32)])
     call = jax.ffi.ffi_lowering(_native.target("gather_gemm"))
     return call(ctx, x, row_token, group_sizes, w, activation=np.int64(ACTIVATION_CODES[activation]),
-                save_pre=np.int64(save_pre))
+                save_pre=np.int64(save_pre))[:-1]
 
 
 def _batch(args, dims, *, activation, save_pre):

@@ -257,6 +257,37 @@ def test_kernel_matches_reference(activation, dtype):
         check(*args, activation, 2e-2)
 
 
+def test_schedule_variable(monkeypatch):
+    """MOE_GATHER_GEMM_SCHEDULE names dynamic (the default) or static; anything else is an error
+    naming the variable, raised when the kernel's call is lowered."""
+    monkeypatch.delenv("MOE_GATHER_GEMM_SCHEDULE", raising=False)
+    assert gather_gemm.check_schedule_variable() == "dynamic"
+    for schedule in gather_gemm.SCHEDULES:
+        monkeypatch.setenv("MOE_GATHER_GEMM_SCHEDULE", schedule)
+        assert gather_gemm.check_schedule_variable() == schedule
+    monkeypatch.setenv("MOE_GATHER_GEMM_SCHEDULE", "round-robin")
+    with pytest.raises(ValueError, match="MOE_GATHER_GEMM_SCHEDULE"):
+        gather_gemm.check_schedule_variable()
+
+
+@needs_gpu
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_kernel_schedules_agree(activation, monkeypatch):
+    """The tile schedules (MOE_GATHER_GEMM_SCHEDULE, read at every launch) write bitwise the same
+    out and pre, on group sizes that leave most blocks several tiles of unequal length and on
+    more blocks than tiles."""
+    for T, H, F, sizes in ((700, 256, 256, [0, 300, 1, 129, 64, 0, 450, 65, 2000, 7]), (40, 128, 128, [3, 0, 30])):
+        args = problem(T, H, F, sizes, activation, jnp.bfloat16, extra_rows=3)
+        f = jax.jit(functools.partial(gather_gemm.gather_gemm, activation=activation, save_pre=True))
+        got = {}
+        for schedule in gather_gemm.SCHEDULES:
+            monkeypatch.setenv("MOE_GATHER_GEMM_SCHEDULE", schedule)
+            got[schedule] = [np.asarray(a, np.float32) for a in f(*args)]
+        for a, b in zip(got["dynamic"], got["static"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"T={T} sizes={sizes}")
+        check(*args, activation, 2e-2)
+
+
 @needs_gpu
 def test_kernel_wide_and_reproducible():
     """A Qwen3-like expert (H 2048, F 768), 8 experts of uneven rows: equal to the unfused path

@@ -21,7 +21,7 @@ ffi::Error invalid(const std::string& what) {
 // out [M, F] = act(x[row_token] · w[group]); pre [M, N] = x[row_token] · w[group] when save_pre.
 ffi::Error GatherGemm(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_token, I32Buffer group_sizes,
                       ffi::AnyBuffer w, int64_t activation, int64_t save_pre, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::AnyBuffer> pre) {
+                      ffi::Result<ffi::AnyBuffer> pre, ffi::Result<ffi::AnyBuffer> scratch) {
   auto xd = x.dimensions(), td = row_token.dimensions(), sd = group_sizes.dimensions(), wd = w.dimensions(),
        od = out->dimensions(), pd = pre->dimensions();
   if (xd.size() != 2) return invalid("x must be [T, H]");
@@ -52,20 +52,22 @@ ffi::Error GatherGemm(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_token
   } else if (pre->element_count() != 0) {
     return invalid("pre must be empty (e.g. [0, N]) without save_pre");
   }
+  if (scratch->size_bytes() < sizeof(int)) return invalid("scratch must hold one int32");
   if (!gather_gemm_fits(a.tokens, a.hidden, a.experts, a.rows, a.n, activation))
     return invalid("shapes outside the kernel's range (F % 128, H % 8, 1 <= E <= 1024, M < 2^31; see gather_gemm_fits)");
 
   a.x = x.untyped_data(), a.row_token = row_token.typed_data(), a.group_sizes = group_sizes.typed_data();
   a.w = w.untyped_data(), a.out = out->untyped_data(), a.pre = a.save_pre ? pre->untyped_data() : nullptr;
+  a.tile_counter = static_cast<int*>(scratch->untyped_data());
   return cuda_status(gather_gemm(*dtype, a, stream), "gather_gemm");
 }
 
 }  // namespace
 }  // namespace moe::gemm
 
-// Graph-safe: one kernel whose grid and parameters (the tensor map of w included) depend on the
-// shapes and buffer addresses only; the groups are read on the device; no host copy, allocation
-// or synchronization.
+// Graph-safe: a memset and one kernel whose grid and parameters (the tensor map of w included)
+// depend on the shapes and buffer addresses only; the groups are read on the device; no host
+// copy, allocation or synchronization.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherGemmCuda, moe::gemm::GatherGemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
@@ -76,5 +78,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherGemmCuda, moe::gemm::GatherGemm,
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("save_pre")
                                   .Ret<xla::ffi::AnyBuffer>()   // out [M, F]
-                                  .Ret<xla::ffi::AnyBuffer>(),  // pre [M, N] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()   // pre [M, N] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>(),  // scratch: int32 [1]
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -7,9 +7,15 @@
 // lanes). Block tile 128 x 256 x 64, 4 stages.
 // Gated: the 256 accumulator columns are 128 gate columns and the 128 matching up columns, so
 // each thread holds gate column c and up column c + 128 and pairs them in registers.
-// Persistent grid; each block scans group_sizes itself (no workspace, no extra launch).
+// Persistent grid; each block scans group_sizes itself (no extra launch). Tiles are handed out in
+// order by an atomic counter (MOE_GATHER_GEMM_SCHEDULE=static: block b takes tiles b, b + grid,
+// ..., an A/B switch): the tiles running at once are then consecutive ones, which share their
+// expert's columns of w in L2; with a static schedule, uneven groups make tiles of unequal length,
+// the blocks drift apart, and w was read 1.7-1.9x from DRAM (ncu, routed groups).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "cuda_check.h"
 #include "gather_gemm.h"
@@ -24,7 +30,12 @@ constexpr int kTileRows = 128;  // A of the stage ring: rows gathered from x
 constexpr int kTileCols = 256;  // B: accumulator columns per block tile
 constexpr int kTileK = 64;      // one 128-byte swizzle row of bf16/f16
 constexpr int kMaxExperts = 1024;
-constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxExperts * 4);  // + group ends and row-tile ends
+// Tables: group ends, row-tile ends, each stage's tile (dynamic schedule: the producer tells the
+// consumers which tile a stage starts) and the producer's next tile (double-buffered).
+constexpr int kStageTileOffset = 2 * kMaxExperts * 4;
+constexpr int kNextTileOffset = kStageTileOffset + kStages * 4;
+constexpr int kSmemBytes = stage_ring_smem_bytes(kNextTileOffset + 2 * 4);
+constexpr int kProducerBarrier = kStaggerBarrier + 1;  // named barrier of the producer warpgroup
 static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 == kStageBBytes);
 
 struct Params {
@@ -35,6 +46,7 @@ struct Params {
   void* out;
   void* pre;  // nullptr: not written
   int64_t tokens, hidden, experts, rows, n, ffn;
+  int* tile_counter;  // dynamic schedule: tiles handed out so far beyond the first wave, zeroed before the launch
   int activation;
   bool stagger;  // consumer_stagger()
 };
@@ -197,12 +209,14 @@ __device__ void zero_uncovered_rows(const Params& p, int64_t covered, int consum
 
 // ---- the kernel --------------------------------------------------------------------------------
 
-template <class T, bool kGated>
+template <class T, bool kGated, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p, const __grid_constant__ CUtensorMap w_map) {
   extern __shared__ uint8_t smem_raw[];
   StageRing ring(smem_raw);
   int32_t* group_end = ring.tables<int32_t>();
   int32_t* row_tile_end = ring.tables<int32_t>(kMaxExperts * 4);
+  volatile int32_t* stage_tile = ring.tables<int32_t>(kStageTileOffset);
+  volatile int32_t* next_tile = ring.tables<int32_t>(kNextTileOffset);
   if (threadIdx.x < 32) scan_groups(p, group_end, row_tile_end);
   if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
@@ -224,7 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     // swizzle wgmma reads (r % 8 == row_sub % 8 for every j).
     const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* x = static_cast<const T*>(p.x);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int tile = blockIdx.x;
+    for (int i = 0; tile < tiles; ++i) {
+      // Dynamic: the tile after this one, asked for now (its latency hides under this tile's loads).
+      const int next = kDynamic ? (t == 0 ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : 0) : tile + int(gridDim.x);
       const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
       int32_t token[8];  // -1: padding or an invalid token, zero-filled
 #pragma unroll
@@ -243,6 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
         ring.wait_empty();
         const uint32_t full = ring.full(ring.stage);
         if (t == 0) {
+          if (kDynamic && kb == 0) stage_tile[ring.stage] = tile;  // published by the arrive below
           mbar_arrive_expect_tx(full, stage_b_bytes);
           const uint32_t b_stage = ring.b(ring.stage);
 #pragma unroll
@@ -264,6 +282,19 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
         cp_async_arrive_noinc(full);
         ring.advance();
       }
+      if constexpr (kDynamic) {
+        if (t == 0) next_tile[i & 1] = next;
+        named_barrier_sync<kProducerBarrier, 128>();
+        tile = next_tile[i & 1];  // rewritten two tiles later, after the next barrier
+      } else {
+        tile = next;
+      }
+    }
+    if constexpr (kDynamic) {  // a stage that starts no tile: the consumers stop
+      ring.wait_empty();
+      if (t == 0) stage_tile[ring.stage] = tiles;
+      mbar_arrive(ring.full(ring.stage));
+      if (t == 0) mbar_arrive(ring.full(ring.stage));  // kFullArrivals = 128 + 1
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
@@ -274,7 +305,12 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
     float acc[128];
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+      if constexpr (kDynamic) {  // the tile the producer started at this stage
+        mbar_wait(ring.full(ring.stage), ring.phase);
+        tile = stage_tile[ring.stage];
+      }
+      if (tile >= tiles) break;
       const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -301,6 +337,16 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
 
 // ---- host --------------------------------------------------------------------------------------
 
+// MOE_GATHER_GEMM_SCHEDULE: dynamic (default) | static (an A/B switch, read at every launch);
+// false for anything else.
+bool dynamic_schedule(bool* dynamic) {
+  const char* v = std::getenv("MOE_GATHER_GEMM_SCHEDULE");
+  const std::string_view s = v == nullptr ? "dynamic" : v;
+  if (s != "dynamic" && s != "static") return false;
+  *dynamic = s == "dynamic";
+  return true;
+}
+
 template <class T, bool kGated>
 cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap map;
@@ -313,11 +359,15 @@ cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream
   p.ffn = kGated ? a.n / 2 : a.n;
   p.activation = int(a.activation);
   p.stagger = consumer_stagger();
+  p.tile_counter = a.tile_counter;
   // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
   const int64_t col_tiles = kGated ? p.ffn / 128 : (a.n + kTileCols - 1) / kTileCols;
   const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * col_tiles));
-  auto kernel = gather_gemm_kernel<T, kGated>;
+  bool dynamic;
+  if (!dynamic_schedule(&dynamic)) return cudaErrorInvalidValue;
+  if (dynamic) MOE_CUDA_TRY(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
+  auto kernel = dynamic ? gather_gemm_kernel<T, kGated, true> : gather_gemm_kernel<T, kGated, false>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, map);
   MOE_CHECK_LAUNCH();

@@ -28,6 +28,7 @@ struct GatherGemmArgs {
   const void* w = nullptr;            // [E, H, N]
   void* out = nullptr;                // [M, F]
   void* pre = nullptr;                // [M, N] when save_pre
+  int* tile_counter = nullptr;        // one int of device scratch (the dynamic tile schedule's)
 };
 
 inline bool gather_gemm_gated(MlpActivation a) { return a == MlpActivation::kSwiglu || a == MlpActivation::kGeglu; }
@@ -37,7 +38,8 @@ inline bool gather_gemm_gated(MlpActivation a) { return a == MlpActivation::kSwi
 // and fewer than 2^31 - 4096 tiles (bounded by (ceil(M / 128) + min(E, M)) * column tiles).
 bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation);
 
-// Launches nothing when M == 0. No host synchronisation, allocation or copy: graph-capturable.
+// Launches nothing when M == 0; otherwise (dynamic schedule) a 4-byte memset of tile_counter and the
+// kernel. No host synchronisation, allocation or copy: graph-capturable.
 cudaError_t gather_gemm(Dtype dtype, const GatherGemmArgs& args, cudaStream_t stream);
 
 }  // namespace moe::gemm
