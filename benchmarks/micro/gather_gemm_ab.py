@@ -84,7 +84,13 @@ for name in NAMES:
                         argnums=(0, 1, 2, 3))
         gathers = layer._gathers
         layer._gathers = gathers if on else (lambda *a: False)
+        jax.clear_caches()
         try:
+            # Each program must run the branch its tag names (H100 runs of this script once gave
+            # bitwise equal results for both tags).
+            for f in (layer_fn, grad):
+                hlo = jax.jit(f).lower(*args).as_text()
+                assert ("jax_moe_permute.gather_gemm" in hlo) == on, (tag, "gather_gemm custom call")
             results[tag] = (jax.jit(layer_fn)(*args), jax.jit(grad)(*args))
             times[tag] = (med(layer_fn, *args), med(grad, *args))
         finally:
