@@ -173,9 +173,11 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
 
 
 DW_KERNELS = ("auto", "cutlass", "persistent")
-# The persistent kernel's epilogues, read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu;
-# an A/B switch, checked here so that a typo fails when the call is lowered).
+# The persistent kernel's epilogues and its CTA pairs (MOE_SM90_WGRAD_PAIRS=1: two CTAs of a
+# cluster share rhs's loads), read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu; A/B
+# switches, checked here so that a typo fails when the call is lowered).
 DW_EPILOGUES = ("tma", "registers")  # the first is the default
+DW_PAIRS = ("0", "1")
 
 
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
@@ -190,6 +192,9 @@ def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> 
     epilogue = os.environ.get("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES[0])
     if epilogue not in DW_EPILOGUES:
         raise ValueError(f"MOE_SM90_WGRAD_EPILOGUE must be one of {DW_EPILOGUES}, got {epilogue!r}")
+    pairs = os.environ.get("MOE_SM90_WGRAD_PAIRS", DW_PAIRS[0])
+    if pairs not in DW_PAIRS:
+        raise ValueError(f"MOE_SM90_WGRAD_PAIRS must be one of {DW_PAIRS}, got {pairs!r}")
     if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
     if choice == "persistent":

@@ -32,16 +32,18 @@ def med(f, *a, out_bytes=0):
     return float(np.median(ms)) * 1e3
 
 
-# persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu).
-KERNELS = ("cutlass",) + tuple(f"persistent-{e}" for e in DW_EPILOGUES)
+# persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu);
+# persistent-pairs: with its CTA pairs sharing rhs's loads (MOE_SM90_WGRAD_PAIRS=1).
+KERNELS = ("cutlass",) + tuple(f"persistent-{e}" for e in DW_EPILOGUES) + ("persistent-pairs",)
 
 
 def select(kernel):
-    """The kernel is chosen when the call is lowered, its epilogue at every launch: the variables
+    """The kernel is chosen when the call is lowered, its variant at every launch: the variables
     stay set while it is timed."""
-    kind, _, epilogue = kernel.partition("-")
+    kind, _, variant = kernel.partition("-")
     os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kind
-    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = epilogue or DW_EPILOGUES[0]
+    os.environ["MOE_SM90_WGRAD_PAIRS"] = "1" if variant == "pairs" else "0"
+    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = DW_EPILOGUES[0] if variant in ("", "pairs") else variant
 
 
 def wgrad_fn(kernel, sizes):
