@@ -366,7 +366,7 @@ def test_persistent_weight_grad_kernel(dtype, G, M, K, N, monkeypatch):
 
 @needs_gpu
 @pytest.mark.parametrize("variant", [("MOE_SM90_WGRAD_EPILOGUE", e) for e in gemm_primitives.DW_EPILOGUES
-                                     if e != "registers"] + [("MOE_SM90_WGRAD_PAIRS", "1")])
+                                     if e != "registers"] + [("MOE_SM90_WGRAD_PAIRS", "1")], ids="=".join)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_persistent_weight_grad_epilogues(dtype, variant, monkeypatch):
     """Each other variant of the persistent dW kernel (read at every launch: the default epilogue,
