@@ -120,10 +120,7 @@ SCHEDULES = ("dynamic", "static")  # the first is the default
 
 
 def check_schedule_variable() -> str:
-    schedule = os.environ.get("MOE_GATHER_GEMM_SCHEDULE", SCHEDULES[0])
-    if schedule not in SCHEDULES:
-        raise ValueError(f"MOE_GATHER_GEMM_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
-    return schedule
+    return gemm_primitives.env_choice("MOE_GATHER_GEMM_SCHEDULE", SCHEDULES)
 
 
 def _lower_cuda(ctx, x, row_token, group_sizes, w, *, activation, save_pre):

@@ -172,6 +172,15 @@ def _lower_ragged_dot_cuda(ctx, lhs, rhs, group_sizes, *, rhs_transposed, out_dt
     return _ffi_call(ctx, "ragged_dot", layout, (lhs, rhs, group_sizes), rhs_transposed=np.int64(rhs_transposed))
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of `choices` (the first when unset); anything else raises a
+    ValueError naming it. The kernels' A/B switches are checked this way when a call is lowered."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 DW_KERNELS = ("auto", "cutlass", "persistent")
 # The persistent kernel's epilogues and its CTA pairs (MOE_SM90_WGRAD_PAIRS=1: two CTAs of a
 # cluster share rhs's loads), read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu; A/B
@@ -186,15 +195,9 @@ def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> 
     1024 rows (the fine-grained MoEs, where it measured 0.97-1.42x CUTLASS's rate), CUTLASS's
     otherwise. MOE_GROUPED_GEMM_DW_KERNEL=cutlass or =persistent forces one where it fits;
     forcing a CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) implies CUTLASS."""
-    choice = os.environ.get("MOE_GROUPED_GEMM_DW_KERNEL", "auto")
-    if choice not in DW_KERNELS:
-        raise ValueError(f"MOE_GROUPED_GEMM_DW_KERNEL must be one of {DW_KERNELS}, got {choice!r}")
-    epilogue = os.environ.get("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES[0])
-    if epilogue not in DW_EPILOGUES:
-        raise ValueError(f"MOE_SM90_WGRAD_EPILOGUE must be one of {DW_EPILOGUES}, got {epilogue!r}")
-    pairs = os.environ.get("MOE_SM90_WGRAD_PAIRS", DW_PAIRS[0])
-    if pairs not in DW_PAIRS:
-        raise ValueError(f"MOE_SM90_WGRAD_PAIRS must be one of {DW_PAIRS}, got {pairs!r}")
+    choice = env_choice("MOE_GROUPED_GEMM_DW_KERNEL", DW_KERNELS)
+    env_choice("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES)
+    env_choice("MOE_SM90_WGRAD_PAIRS", DW_PAIRS)
     if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
     if choice == "persistent":

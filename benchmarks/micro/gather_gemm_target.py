@@ -6,9 +6,14 @@ random logits), alt (240 and 272 rows alternating) or randtok (256 rows each, ra
         --metrics dram__bytes_read.sum python benchmarks/micro/gather_gemm_target.py routed
 """
 import sys
-import jax, jax.numpy as jnp, numpy as np
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jax_moe_permute import gather_gemm, layer, routing
 from jax_moe_permute.bench_layer import MODELS
+
 mode = sys.argv[1]
 T = 4096
 E, K, H, F = MODELS["qwen3"]

@@ -14,8 +14,6 @@
 // the blocks drift apart, and w was read 1.7-1.9x from DRAM (ncu, routed groups).
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "cuda_check.h"
 #include "gather_gemm.h"
@@ -337,16 +335,6 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
 
 // ---- host --------------------------------------------------------------------------------------
 
-// MOE_GATHER_GEMM_SCHEDULE: dynamic (default) | static (an A/B switch, read at every launch);
-// false for anything else.
-bool dynamic_schedule(bool* dynamic) {
-  const char* v = std::getenv("MOE_GATHER_GEMM_SCHEDULE");
-  const std::string_view s = v == nullptr ? "dynamic" : v;
-  if (s != "dynamic" && s != "static") return false;
-  *dynamic = s == "dynamic";
-  return true;
-}
-
 template <class T, bool kGated>
 cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap map;
@@ -364,8 +352,9 @@ cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream
   const int64_t col_tiles = kGated ? p.ffn / 128 : (a.n + kTileCols - 1) / kTileCols;
   const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * col_tiles));
-  bool dynamic;
-  if (!dynamic_schedule(&dynamic)) return cudaErrorInvalidValue;
+  const int schedule = env_choice("MOE_GATHER_GEMM_SCHEDULE", {"dynamic", "static"});
+  if (schedule < 0) return cudaErrorInvalidValue;
+  const bool dynamic = schedule == 0;
   if (dynamic) MOE_CUDA_TRY(cudaMemsetAsync(a.tile_counter, 0, sizeof(int), stream));
   auto kernel = dynamic ? gather_gemm_kernel<T, kGated, true> : gather_gemm_kernel<T, kGated, false>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));

@@ -27,8 +27,6 @@
 // there is no zero-fill launch.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include "cuda_check.h"
@@ -52,7 +50,8 @@ static_assert(kTileK * kStepRows * 2 == kStageABytes && kTileN * kStepRows * 2 =
 
 // How a tile leaves the consumers: MOE_SM90_WGRAD_EPILOGUE (an A/B switch, read at every launch).
 enum class Epilogue {
-  kTma,        // "tma" (the default): one box at a time through shared memory, stored by TMA
+  kTma,        // "tma" (the default; the order of the variable's values): one box at a time through
+               // shared memory, stored by TMA
   kRegisters,  // "registers": 16-byte stores straight from registers
 };
 template <Epilogue E>
@@ -329,26 +328,6 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
-// MOE_SM90_WGRAD_EPILOGUE: tma (default) | registers; false for anything else.
-bool epilogue_from_env(Epilogue* e) {
-  const char* v = std::getenv("MOE_SM90_WGRAD_EPILOGUE");
-  const std::string_view s = v == nullptr ? "tma" : v;
-  if (s == "tma") *e = Epilogue::kTma;
-  else if (s == "registers") *e = Epilogue::kRegisters;
-  else return false;
-  return true;
-}
-
-// MOE_SM90_WGRAD_PAIRS=1: CTA pairs sharing rhs's loads (an A/B switch, read at every launch; off
-// by default until measured); false for a value other than 0 and 1.
-bool pairs_from_env(bool* on) {
-  const char* v = std::getenv("MOE_SM90_WGRAD_PAIRS");
-  const std::string_view s = v == nullptr ? "0" : v;
-  if (s != "0" && s != "1") return false;
-  *on = s == "1";
-  return true;
-}
-
 template <Epilogue E>
 using Is = std::integral_constant<Epilogue, E>;
 
@@ -394,9 +373,12 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
   p.tiles = int(tiles);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
-  Epilogue e;
-  bool pairs;
-  if (!epilogue_from_env(&e) || !pairs_from_env(&pairs)) return cudaErrorInvalidValue;
+  // MOE_SM90_WGRAD_EPILOGUE (Epilogue's order); MOE_SM90_WGRAD_PAIRS=1: CTA pairs sharing rhs's
+  // loads (off until measured).
+  const int epilogue = env_choice("MOE_SM90_WGRAD_EPILOGUE", {"tma", "registers"});
+  const int pairs = env_choice("MOE_SM90_WGRAD_PAIRS", {"0", "1"});
+  if (epilogue < 0 || pairs < 0) return cudaErrorInvalidValue;
+  const Epilogue e = Epilogue(epilogue);
   // Pairs: with the TMA epilogue, where every column block has an even number of k tiles.
   if (pairs && e == Epilogue::kTma && p.k_tiles % 2 == 0) {
     const int64_t pair_blocks = std::max<int64_t>(2, std::min<int64_t>(moe::cuda::multiprocessors(), tiles) / 2 * 2);

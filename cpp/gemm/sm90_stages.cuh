@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <string_view>
 #include <utility>
 
@@ -107,6 +108,20 @@ inline bool consumer_stagger() {
 }
 
 constexpr int kStaggerBarrier = 1;  // named barrier (0 is __syncthreads')
+
+// The A/B switches of these kernels, read at every launch (checked in Python when a call is
+// lowered): the index of variable `name`'s value among `values` (0, the default, when unset), or
+// -1 for any other value.
+inline int env_choice(const char* name, std::initializer_list<std::string_view> values) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return 0;
+  int i = 0;
+  for (std::string_view value : values) {
+    if (value == v) return i;
+    ++i;
+  }
+  return -1;
+}
 
 // A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
 // wgmma in flight, and releases a stage once its wgmma are done. kPair: the CTA is one of a
