@@ -18,7 +18,6 @@ and its batching.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import jax
@@ -49,19 +48,24 @@ def kernel_fits(x, w, rows: int, activation: str) -> bool:
     return _native.kernel_fits("cuda", "gather_gemm", T, H, G, rows, N, ACTIVATION_CODES[activation])
 
 
-def layer_enabled() -> bool:
-    """Whether `layer.moe_mlp` may take the fused kernel: only with MOE_GATHER_GEMM=1 (read at
-    trace time) until the layer is timed with the kernel's dynamic tile schedule (its first GEMM
-    1.11-1.32x faster than the unfused path on an H100; docs/layer.md, "The fused first GEMM").
-    The primitive itself runs the kernel wherever it fits."""
-    return os.environ.get("MOE_GATHER_GEMM", "0") == "1"
+# MOE_GATHER_GEMM (read at trace time): where `layer.moe_mlp` and `layer.expert_mlp` take the fused
+# kernel. "forward" (the default): the forward pass, not the pass being differentiated, which runs
+# the composition (measured faster for jit(grad): docs/layer.md, "The fused first GEMM"); "1": both;
+# "0": neither. The primitive itself runs the kernel wherever it fits.
+LAYER_MODES = ("forward", "1", "0")
 
 
-def layer_kernel_applies(x, w_in, rows: int, activation: str) -> bool:
+def layer_enabled(differentiated: bool = False) -> bool:
+    """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM)."""
+    mode = gemm_primitives.env_choice("MOE_GATHER_GEMM", LAYER_MODES)
+    return mode == "1" or (mode == "forward" and not differentiated)
+
+
+def layer_kernel_applies(x, w_in, rows: int, activation: str, differentiated: bool = False) -> bool:
     """Whether the layer (`moe_mlp`, `expert_mlp`) runs a first GEMM of `rows` rows read from x on
-    the fused kernel: enabled, it fits, and the call is not decode-sized (those take the decode
-    kernels)."""
-    return (layer_enabled() and rows > 0 and kernel_fits(x, w_in, rows, activation)
+    the fused kernel: enabled for this pass, it fits, and the call is not decode-sized (those take
+    the decode kernels)."""
+    return (layer_enabled(differentiated) and rows > 0 and kernel_fits(x, w_in, rows, activation)
             and not gemm_primitives.use_decode_kernel(1, rows, w_in.shape[0]))
 
 

@@ -182,11 +182,9 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
 
 
 DW_KERNELS = ("auto", "cutlass", "persistent")
-# The persistent kernel's epilogues and its CTA pairs (MOE_SM90_WGRAD_PAIRS=1: two CTAs of a
-# cluster share rhs's loads), read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu; A/B
-# switches, checked here so that a typo fails when the call is lowered).
+# The persistent kernel's epilogues, read by the kernel at every launch (cpp/gemm/grouped_wgrad.cu;
+# an A/B switch, checked here so that a typo fails when the call is lowered).
 DW_EPILOGUES = ("tma", "registers")  # the first is the default
-DW_PAIRS = ("0", "1")
 
 
 def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
@@ -197,7 +195,6 @@ def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> 
     forcing a CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) implies CUTLASS."""
     choice = env_choice("MOE_GROUPED_GEMM_DW_KERNEL", DW_KERNELS)
     env_choice("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES)
-    env_choice("MOE_SM90_WGRAD_PAIRS", DW_PAIRS)
     if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
     if choice == "persistent":

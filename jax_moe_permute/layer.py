@@ -48,8 +48,8 @@ def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: 
                activation: str = "swiglu", matmul: Callable = ragged_dot) -> jax.Array:
     """Each group's MLP on its rows: rows [R, H] grouped by expert (group_sizes [L]), w_in
     [L, H, 2F] (gated) or [L, H, F], w_out [L, F, H'] -> [R, H']. This is the `expert_fn` that
-    expert parallelism calls on a device's local experts. With MOE_GATHER_GEMM=1, where the fused
-    first GEMM runs (gather_gemm.py), the activation is applied in its epilogue."""
+    expert parallelism calls on a device's local experts. Where the fused first GEMM runs
+    (gather_gemm.py), the forward applies the activation in its epilogue."""
     if matmul is ragged_dot and _fuses_activation(rows, w_in, activation):
         return _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation)
     gate_up = matmul(rows, w_in, group_sizes)
@@ -59,9 +59,9 @@ def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_in: jax.Array, w_out: 
     return second(gate_up, w_out)
 
 
-def _fuses_activation(rows, w_in, activation) -> bool:
+def _fuses_activation(rows, w_in, activation, differentiated=False) -> bool:
     """Whether expert_mlp's first GEMM takes gather_gemm's kernel (reading the rows in order)."""
-    return rows.ndim == 2 and gather_gemm.layer_kernel_applies(rows, w_in, rows.shape[0], activation)
+    return rows.ndim == 2 and gather_gemm.layer_kernel_applies(rows, w_in, rows.shape[0], activation, differentiated)
 
 
 def _in_order(rows):
@@ -71,8 +71,9 @@ def _in_order(rows):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation):
     """expert_mlp with the activation in the first GEMM's epilogue. Its JVP keeps what the plain
-    one does (the inputs and gate_up, the activation recomputed in the backward); the primal runs
-    the fused kernel, the tangent the composition."""
+    one does (the inputs and gate_up, the activation recomputed in the backward); its primal runs
+    the fused kernel where MOE_GATHER_GEMM enables it for a differentiated pass, the composition
+    otherwise; the tangent runs the composition."""
     h, _ = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation)
     return ragged_dot(h, w_out, group_sizes)
 
@@ -81,8 +82,12 @@ def _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation):
 def _fused_expert_mlp_jvp(activation, primals, tangents):
     rows, group_sizes, w_in, w_out = primals
     drows, _, dw_in, dw_out = (t if _live(t) else None for t in tangents)
-    h, gate_up = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation,
-                                         save_pre=True)
+    if _fuses_activation(rows, w_in, activation, differentiated=True):
+        h, gate_up = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation,
+                                             save_pre=True)
+    else:
+        gate_up = ragged_dot(rows, w_in, group_sizes)
+        h = apply_activation(gate_up, activation)
     out = ragged_dot(h, w_out, group_sizes)
     d_gate_up = None if drows is None else ragged_dot(drows, w_in, group_sizes)
     if dw_in is not None:
@@ -204,9 +209,9 @@ def moe_mlp(
 # [T*K, 2F] only, and recomputes in the backward what is cheap: the permuted rows (one gather),
 # the activation, and h * w. The gates' gradient needs no expert outputs: with h' = w * h,
 # out = sum_k (h'_k @ w_out), so d w_k = <(d out) @ w_out^T, h_k>. The forward (what inference
-# and the JVP's primal run) gathers the rows inside the first GEMM and applies the activation in
-# its epilogue where that kernel runs and is enabled (gather_gemm.py: sm_90, bf16/f16,
-# opt-in with MOE_GATHER_GEMM=1 until measured faster), for decode-sized calls
+# and, with MOE_GATHER_GEMM=1, the JVP's primal run) gathers the rows inside the first GEMM and
+# applies the activation in its epilogue where that kernel runs (gather_gemm.py: sm_90, bf16/f16;
+# a differentiated pass runs the composition by default, measured faster), for decode-sized calls
 # runs the fused decode MLP (decode_mlp.py), and is the plain composition elsewhere; the tangent
 # equals the composition's derivative to rounding, and derivatives of any order go through the
 # same kernels.
@@ -226,10 +231,10 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation,
     return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer)
 
 
-def _gathers(x, ids, w_in, activation) -> bool:
+def _gathers(x, ids, w_in, activation, differentiated=False) -> bool:
     """Whether the first GEMM gathers its rows from x itself (gather_gemm.py's fused kernel)."""
     return x.shape[0] < _EXACT_TOKENS and gather_gemm.layer_kernel_applies(x, w_in, x.shape[0] * ids.shape[1],
-                                                                           activation)
+                                                                           activation, differentiated)
 
 
 _EXACT_TOKENS = 2**24  # token indices ride through the permute as float32 values
@@ -284,7 +289,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     x, weights, ids, w_in, w_out, expert_map, layer = primals
     dx, dweights, _, dw_in, dw_out, _, _ = (t if _live(t) else None for t in tangents)
     w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
-    if _gathers(x, ids, w_in, activation):  # the rows gathered and the activation applied in the first GEMM
+    if _gathers(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)
     else:

@@ -48,7 +48,7 @@ for case in "${cases[@]}"; do
       # shellcheck disable=SC2086
       run_tool "$case" "$tool" "$log" --kernel-name kns=device_kernel -- $cutlass_tiles
       if [ "${SANITIZE_RACECHECK_DW:-0}" = 1 ]; then
-        run_tool "$case" "$tool" "$log_dir/sanitizer-$case-$tool-dw.log" --kernel-name kns=grouped_wgrad -- dw:persistent-tma dw:persistent-registers dw:persistent-pairs
+        run_tool "$case" "$tool" "$log_dir/sanitizer-$case-$tool-dw.log" --kernel-name kns=grouped_wgrad -- dw:persistent-tma dw:persistent-registers
       fi
     elif [ "$tool" = racecheck ]; then
       run_tool "$case" "$tool" "$log" --kernel-name kns=moe

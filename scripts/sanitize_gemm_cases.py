@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-with each epilogue and with CTA pairs, dw:persistent-tma, -registers and -pairs, unless some are
-named: racecheck is slow on these kernels)
+with each epilogue, dw:persistent-tma and dw:persistent-registers, unless some are named:
+racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -28,14 +28,11 @@ CASES = [  # (M, K, N, group sizes)
     (0, 16, 8, [0, 0]),  # no rows
     (150, 128, 192, [70, 0, 64, 0, 1]),  # K, N multiples of 64 (the persistent dW kernel's), partial stages
     (150, 128, 192, [40, 20, 55, 0, 17]),  # partial stages issuing 3, 2, 4 and 2 of their 16-row steps
-    (150, 256, 192, [90, 0, 33, 20]),  # two k tiles: the dW kernel's CTA pairs
 ]
-# Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue, and with CTA pairs.
+# Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue.
 DW_VARIANTS = {f"dw:persistent-{e}": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_EPILOGUE": e}
                for e in DW_EPILOGUES}
-DW_VARIANTS["dw:persistent-pairs"] = {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_PAIRS": "1"}
-ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE",
-       "MOE_SM90_WGRAD_PAIRS")
+ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE")
 
 
 def check(out, ref, dtype):

@@ -114,7 +114,7 @@ def test_bad_arguments():
 def test_layer_branch_matches_dense(monkeypatch, activation, with_map):
     """moe_mlp's gathered branch (routing_rows, the primitive, the JVP's saved pre-activation),
     forced where the kernel does not run: forward and gradients equal the dense MoE."""
-    monkeypatch.setattr(layer, "_gathers", lambda *a: True)
+    monkeypatch.setattr(layer, "_gathers", lambda *a, **k: True)
     T, E, K, H, F = 13, 6, 3, 8, 5
     x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
     ids = ids.at[0, 0].set(-1).at[1, 1].set(E).at[2, 2].set(ids[2, 1])
@@ -150,7 +150,7 @@ def test_expert_mlp_branch_matches_plain(monkeypatch, activation):
     both weights, a JVP in every argument, vmap, and under jax.checkpoint."""
     rows, sizes, w_in, w_out = expert_mlp_inputs(activation)
     plain = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
-    monkeypatch.setattr(layer, "_fuses_activation", lambda *a: True)
+    monkeypatch.setattr(layer, "_fuses_activation", lambda *a, **k: True)
     fused = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
     assert "custom_jvp_call" in str(jax.make_jaxpr(fused)(rows, w_in, w_out))
     args = (rows, w_in, w_out)
@@ -305,53 +305,77 @@ def test_kernel_wide_and_reproducible():
     assert_allclose(out / out_scale, want_out / out_scale, 2e-2)
 
 
+def test_layer_mode_variable(monkeypatch):
+    """MOE_GATHER_GEMM: "forward" (the default) enables the layer's fused kernel in the forward pass
+    only, "1" in the differentiated pass too, "0" in neither; anything else is an error naming the
+    variable, raised when the layer is traced."""
+    monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
+    assert gather_gemm.layer_enabled() and not gather_gemm.layer_enabled(differentiated=True)
+    for mode, forward, differentiated in (("forward", True, False), ("1", True, True), ("0", False, False)):
+        monkeypatch.setenv("MOE_GATHER_GEMM", mode)
+        assert gather_gemm.layer_enabled() == forward
+        assert gather_gemm.layer_enabled(differentiated=True) == differentiated
+    monkeypatch.setenv("MOE_GATHER_GEMM", "yes")
+    with pytest.raises(ValueError, match="MOE_GATHER_GEMM"):
+        jmp.moe_mlp(*layer_inputs(8, 4, 2, 16, 8, "swiglu", jnp.float32))
+
+
+def layer_modes_agree(monkeypatch, f, args, argnums, tol):
+    """f on the composition (MOE_GATHER_GEMM=0) against f with the fused kernel in the forward pass
+    only (the default) and in both passes ("1"): the kernel is in each lowered program where its mode
+    says, and results and gradients agree to rounding."""
+    ct = random_float(jax.eval_shape(f, *args).shape, jnp.float32)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct)
+    grad_of = lambda: jax.jit(jax.grad(loss, argnums))  # fresh: the branch is chosen while tracing
+    monkeypatch.setenv("MOE_GATHER_GEMM", "0")
+    assert TARGET not in lowered_text(f, *args)
+    assert TARGET not in grad_of().lower(*args).as_text()
+    want = jax.jit(lambda *a: f(*a))(*args).astype(jnp.float32)
+    want_grads = grad_of()(*args)
+    scale = float(jnp.abs(want).max())
+    for mode, in_grad in (("forward", False), ("1", True)):
+        monkeypatch.setenv("MOE_GATHER_GEMM", mode)
+        assert TARGET in lowered_text(f, *args), mode
+        grad = grad_of()
+        assert (TARGET in grad.lower(*args).as_text()) == in_grad, mode
+        got = jax.jit(lambda *a: f(*a))(*args).astype(jnp.float32)
+        assert_allclose(got / scale, want / scale, tol)
+        for a, b in zip(grad(*args), want_grads):
+            s = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-6)
+            assert_allclose(a.astype(jnp.float32) / s, b.astype(jnp.float32) / s, tol)
+
+
 @needs_gpu
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_expert_mlp_uses_kernel(monkeypatch, activation):
-    """expert_mlp (moe_ep's expert_fn) applies the activation in the fused kernel's epilogue once
-    enabled, forward and under jax.grad, equal to its plain composition to rounding."""
+    """expert_mlp (moe_ep's expert_fn) applies the activation in the fused kernel's epilogue where
+    MOE_GATHER_GEMM enables it, equal to its plain composition to rounding, forward and under
+    jax.grad."""
     rows, sizes, w_in, w_out = expert_mlp_inputs(activation, jnp.bfloat16, R=300, H=128, F=128)
     sizes = jnp.asarray([100, 0, 130, 60], jnp.int32)
     f = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
-    monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
-    assert TARGET not in lowered_text(f, rows, w_in, w_out)
-    want = jax.jit(f)(rows, w_in, w_out)
-    ct = random_float(rows.shape, jnp.float32)
-    loss = lambda r, wi, wo: jnp.sum(f(r, wi, wo).astype(jnp.float32) * ct)
-    want_grads = jax.jit(jax.grad(loss, (0, 1, 2)))(rows, w_in, w_out)
-    monkeypatch.setenv("MOE_GATHER_GEMM", "1")
-    assert TARGET in lowered_text(f, rows, w_in, w_out)
-    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
-    assert TARGET in grad.lower(rows, w_in, w_out).as_text()
-    scale = float(jnp.abs(want.astype(jnp.float32)).max())
-    got = jax.jit(lambda *a: f(*a))(rows, w_in, w_out)  # traced afresh, with the branch on
-    assert_allclose(got.astype(jnp.float32) / scale, want.astype(jnp.float32) / scale, 2e-2)
-    for a, b in zip(grad(rows, w_in, w_out), want_grads):
-        s = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-6)
-        assert_allclose(a.astype(jnp.float32) / s, b.astype(jnp.float32) / s, 2e-2)
+    layer_modes_agree(monkeypatch, f, (rows, w_in, w_out), (0, 1, 2), 2e-2)
 
 
 @needs_gpu
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_layer_uses_kernel_and_matches_dense(monkeypatch, activation):
-    """moe_mlp on kernel-sized experts takes the fused kernel (once enabled), forward and under
-    jax.grad."""
+    """moe_mlp on kernel-sized experts takes the fused kernel where MOE_GATHER_GEMM enables it,
+    forward and under jax.grad, equal to the composition to rounding and to the dense reference."""
     T, E, K, H, F = 256, 8, 4, 128, 128
     x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation, jnp.bfloat16)
-    f = functools.partial(jmp.moe_mlp, activation=activation)
-    monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
-    assert TARGET not in lowered_text(f, x, weights, ids, w_in, w_out)  # off by default
-    monkeypatch.setenv("MOE_GATHER_GEMM", "1")
-    assert TARGET in lowered_text(f, x, weights, ids, w_in, w_out)
+    f = lambda x, w, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation)
+    layer_modes_agree(monkeypatch, f, (x, weights, w_in, w_out), (0, 1, 2, 3), 2e-2)
+    monkeypatch.delenv("MOE_GATHER_GEMM")
     ref = functools.partial(dense_moe, activation=activation)
     f32 = lambda *a: [b.astype(jnp.float32) for b in a]
     want = ref(*f32(x, weights), ids, *f32(w_in, w_out))
     scale = float(jnp.abs(want).max())
-    assert_allclose(jax.jit(f)(x, weights, ids, w_in, w_out) / scale, want / scale, 3e-2)
+    assert_allclose(jax.jit(f)(x, weights, w_in, w_out) / scale, want / scale, 3e-2)
     ct = random_float((T, H), jnp.float32)
-    loss = lambda g: lambda x, w, wi, wo: jnp.sum(g(x, w, ids, wi, wo).astype(jnp.float32) * ct)
+    loss = lambda g: lambda x, w, wi, wo: jnp.sum(g(x, w, wi, wo).astype(jnp.float32) * ct)
     grad = jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))
-    assert TARGET in jax.jit(grad).lower(x, weights, w_in, w_out).as_text()
-    for a, b in zip(grad(x, weights, w_in, w_out), jax.grad(loss(ref), (0, 1, 2, 3))(*f32(x, weights, w_in, w_out))):
+    ref_ids = lambda x, w, wi, wo: ref(x, w, ids, wi, wo)
+    for a, b in zip(grad(x, weights, w_in, w_out), jax.grad(loss(ref_ids), (0, 1, 2, 3))(*f32(x, weights, w_in, w_out))):
         s = max(float(jnp.abs(b).max()), 1e-6)
         assert_allclose(a.astype(jnp.float32) / s, b / s, 3e-2)

@@ -4,6 +4,7 @@ against CUTLASS's ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ
 its G x K x N output at the copy bandwidth.
 
     python benchmarks/micro/wgrad_ab.py [OUT.txt] [PROBLEMS, e.g. qwen3_w13,qwen3_w2] [KINDS, e.g. uniform,routed4096]
+        [KERNELS, e.g. cutlass,persistent-tma; the first is the reference] [no-layer]
 """
 import os
 import sys
@@ -32,18 +33,17 @@ def med(f, *a, out_bytes=0):
     return float(np.median(ms)) * 1e3
 
 
-# persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu);
-# persistent-pairs: with its CTA pairs sharing rhs's loads (MOE_SM90_WGRAD_PAIRS=1).
-KERNELS = ("cutlass",) + tuple(f"persistent-{e}" for e in DW_EPILOGUES) + ("persistent-pairs",)
+# persistent-<epilogue>: our kernel with each of its epilogues (MOE_SM90_WGRAD_EPILOGUE, cpp/gemm/grouped_wgrad.cu).
+KERNELS = ("cutlass",) + tuple(f"persistent-{e}" for e in DW_EPILOGUES)
+KERNELS = sys.argv[4].split(",") if len(sys.argv) > 4 and sys.argv[4] != "no-layer" else KERNELS
 
 
 def select(kernel):
-    """The kernel is chosen when the call is lowered, its variant at every launch: the variables
+    """The kernel is chosen when the call is lowered, its epilogue at every launch: the variables
     stay set while it is timed."""
-    kind, _, variant = kernel.partition("-")
+    kind, _, epilogue = kernel.partition("-")
     os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = kind
-    os.environ["MOE_SM90_WGRAD_PAIRS"] = "1" if variant == "pairs" else "0"
-    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = DW_EPILOGUES[0] if variant in ("", "pairs") else variant
+    os.environ["MOE_SM90_WGRAD_EPILOGUE"] = epilogue or DW_EPILOGUES[0]
 
 
 def wgrad_fn(kernel, sizes):
@@ -78,7 +78,7 @@ for name in NAMES:
         del reference
         write_us = out_bytes / (copy_tbps * 1e6)
         bound = max(t_dense, write_us)
-        tc = times["cutlass"]
+        tc = times[KERNELS[0]]
         each = ", ".join(f"{k} {t:.1f} us ({flop / t / 1e6:.0f} TFLOP/s, x{tc / t:.2f}, /bound {t / bound:.2f})"
                          for k, t in times.items())
         print(f"{name} {kind} (G {G}, M {M}, K {K}, N {N}): dW {each}; dense {t_dense:.1f} us "
@@ -86,7 +86,7 @@ for name in NAMES:
               file=LOG, flush=True)
 
 # The layer: jit(grad) of moe_mlp (x, gates, both weights) with each dW kernel, Qwen3 at T = 4096.
-if len(sys.argv) <= 4 or sys.argv[4] != "no-layer":
+if "no-layer" not in sys.argv[4:]:
     from jax_moe_permute import layer, routing
     from jax_moe_permute.bench_layer import MODELS
 

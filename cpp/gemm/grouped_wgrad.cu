@@ -12,10 +12,6 @@
 // registers instead (16-byte stores after a transpose within each quad of lanes), 4-7% slower on
 // Qwen3's dW (H100). Staging the whole tile costs a stage of the ring, and three stages feed the
 // MMA 13% worse than four: measured, and removed (docs/design-notes.md, "Grouped GEMM tiles", item 8).
-// MOE_SM90_WGRAD_PAIRS=1 (an A/B switch, not yet measured) runs clusters of two CTAs on the two k
-// tiles of one column block, each producer loading half of the shared rhs stage and multicasting
-// it to both: 32 KB of operands a CTA and stage instead of 48 (the fourth stage's worth says the
-// ring starves for them).
 //
 // 384 threads per block: warpgroup 0 produces, warpgroups 1-2 consume (wgmma m64n256k16, both
 // operands MN-major: the reduction runs over rows; 64 rows of out[g] each). Tile 128 x 256 of
@@ -67,7 +63,6 @@ struct Params {
   // Tiles of one group along K and N, and of all groups (run group by group). From the host: the
   // loop bound then stays in the parameter bank (derived on the device, ptxas spilled it).
   int k_tiles, n_tiles, tiles;
-  int k_pairs, pairs_per_group;  // kPair: k_tiles / 2, and the pairs of one group
   bool stagger;  // consumer_stagger()
 };
 
@@ -104,38 +99,19 @@ struct Tile {
   int steps;          // 64-row stages
 };
 
-// Tile `tile` of the sequence (TileSequence); kPair: pair `tile`, this CTA's k tile of it.
-template <bool kPair>
 __device__ __forceinline__ Tile decode_tile(int tile, const Params& p, const int32_t* group_start,
                                             const int32_t* group_end) {
-  const int k_slots = kPair ? p.k_pairs : p.k_tiles;  // of one column block
-  const int per_group = kPair ? p.pairs_per_group : p.k_tiles * p.n_tiles;
+  const int per_group = p.k_tiles * p.n_tiles;
   Tile t;
   t.group = tile / per_group;
   const int in_group = tile - t.group * per_group;
-  // The k tiles of one column block run together: rhs's slice stays in L2.
-  const int k_slot = in_group % k_slots;
-  t.k0 = (kPair ? 2 * k_slot + int(cluster_rank()) : k_slot) * kTileK;
-  t.n0 = (in_group / k_slots) * kTileN;
+  t.k0 = (in_group % p.k_tiles) * kTileK;  // the k tiles of one column block run together: rhs's slice stays in L2
+  t.n0 = (in_group / p.k_tiles) * kTileN;
   t.row0 = group_start[t.group];
   t.row_end = group_end[t.group];
   t.steps = (t.row_end - t.row0 + kStepRows - 1) / kStepRows;
   return t;
 }
-
-// The tiles of this CTA, for decode_tile: first, first + stride, ... below count. Built by each
-// warpgroup after its register split (values kept across setmaxnreg go to local memory).
-// kPair: the cluster's two CTAs take k tiles 2 j and 2 j + 1 of one column block of one group
-// (the same rows, so the same stages, and the same columns of rhs, which each CTA's producer loads
-// half of and multicasts to both); the sequence counts pairs (k_tiles even).
-template <bool kPair>
-struct TileSequence {
-  int first, stride, count;
-  __device__ explicit TileSequence(const Params& p)
-      : first(kPair ? int(cluster_index()) : int(blockIdx.x)),
-        stride(kPair ? int(cluster_count()) : int(gridDim.x)),
-        count(kPair ? p.tiles / 2 : p.tiles) {}
-};
 
 // The tile's 64-column boxes of out[g] (and of rhs) inside N: K, N % 64 == 0, so boxes are whole
 // and those past N are neither loaded nor stored.
@@ -226,7 +202,7 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t co
   }
 }
 
-template <class T, Epilogue E, bool kPair>
+template <class T, Epilogue E>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                          const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
@@ -235,10 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* group_start = ring.tables<int32_t>();
   int32_t* group_end = ring.tables<int32_t>(kMaxGroups * 4);
   if (threadIdx.x < 32) scan_groups(p, group_start, group_end);
-  if (threadIdx.x == 32) ring.init_barriers(kPair ? 2 * kConsumerWarps : kConsumerWarps);
-  // kPair: the peer's multicasts and arrivals reach this CTA's barriers only once they exist.
-  if constexpr (kPair) cluster_sync();
-  else __syncthreads();
+  if (threadIdx.x == 32) ring.init_barriers();
+  __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
 
@@ -253,9 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t box_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     const T* lhs = static_cast<const T*>(p.lhs);
     const T* rhs = static_cast<const T*>(p.rhs);
-    const TileSequence<kPair> tiles(p);
-    for (int i = tiles.first; i < tiles.count; i += tiles.stride) {
-      const Tile tl = decode_tile<kPair>(i, p, group_start, group_end);
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, p, group_start, group_end);
       for (int step = 0; step < tl.steps; ++step) {
         ring.wait_empty();
         const uint32_t full = ring.full(ring.stage), a_stage = ring.a(ring.stage), b_stage = ring.b(ring.stage);
@@ -267,16 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int a_boxes = int(min(int64_t(2), (p.k - tl.k0) / kBox)), b_boxes = column_boxes(p, tl);
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
-            if constexpr (kPair) {  // rhs: half of the boxes each, into both CTAs
-#pragma unroll
-              for (int j = 0; j < 2; ++j) {
-                const int b = 2 * j + int(cluster_rank());
-                if (b < b_boxes)
-                  tma_load_2d_multicast(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row, 0b11);
-              }
-            } else {
-              for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
-            }
+            for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
             mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
           }
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
@@ -295,11 +259,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
-    StageConsumer<typename GmmaOp<T>::type, kPair> consume(consumer, p.stagger);
+    StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
     float acc[128];
-    const TileSequence<kPair> tiles(p);
-    for (int i = tiles.first; i < tiles.count; i += tiles.stride) {
-      const Tile tl = decode_tile<kPair>(i, p, group_start, group_end);
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const Tile tl = decode_tile(tile, p, group_start, group_end);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       // A, MN-major: this consumer's 64 rows of out are one box; +16 rows = 2048 bytes per k16.
@@ -318,8 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (E == Epilogue::kTma && (threadIdx.x & 127) == 0) tma_store_wait_all();
   }
-  // kPair: no CTA leaves while its peer may still multicast into it or arrive on its barriers.
-  if constexpr (kPair) cluster_sync();
 }
 
 // a [rows, cols] row-major in boxes of 64 columns x 64 rows (the MN-major layout wgmma reads).
@@ -331,27 +292,12 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
 template <Epilogue E>
 using Is = std::integral_constant<Epilogue, E>;
 
-template <class T, Epilogue E, bool kPair = false>
+template <class T, Epilogue E>
 cudaError_t launch_kernel(const Params& p, int64_t blocks, const CUtensorMap& lhs_map, const CUtensorMap& rhs_map,
                           const CUtensorMap& out_map, cudaStream_t stream) {
-  auto kernel = grouped_wgrad_kernel<T, E, kPair>;
+  auto kernel = grouped_wgrad_kernel<T, E>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<E>));
-  if constexpr (kPair) {  // clusters of two CTAs along x
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(blocks));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = size_t(kSmemBytes<E>);
-    config.stream = stream;
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 2;
-    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    MOE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, p, lhs_map, rhs_map, out_map));
-  } else {
-    kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes<E>, stream>>>(p, lhs_map, rhs_map, out_map);
-  }
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes<E>, stream>>>(p, lhs_map, rhs_map, out_map);
   MOE_CHECK_LAUNCH();
   return cudaSuccess;
 }
@@ -369,21 +315,13 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups;
   p.stagger = consumer_stagger();
   p.k_tiles = int((a.k + kTileK - 1) / kTileK), p.n_tiles = int((a.n + kTileN - 1) / kTileN);
-  p.k_pairs = p.k_tiles / 2, p.pairs_per_group = p.k_pairs * p.n_tiles;
   const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
   p.tiles = int(tiles);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles));
-  // MOE_SM90_WGRAD_EPILOGUE (Epilogue's order); MOE_SM90_WGRAD_PAIRS=1: CTA pairs sharing rhs's
-  // loads (off until measured).
+  // MOE_SM90_WGRAD_EPILOGUE (Epilogue's order).
   const int epilogue = env_choice("MOE_SM90_WGRAD_EPILOGUE", {"tma", "registers"});
-  const int pairs = env_choice("MOE_SM90_WGRAD_PAIRS", {"0", "1"});
-  if (epilogue < 0 || pairs < 0) return cudaErrorInvalidValue;
+  if (epilogue < 0) return cudaErrorInvalidValue;
   const Epilogue e = Epilogue(epilogue);
-  // Pairs: with the TMA epilogue, where every column block has an even number of k tiles.
-  if (pairs && e == Epilogue::kTma && p.k_tiles % 2 == 0) {
-    const int64_t pair_blocks = std::max<int64_t>(2, std::min<int64_t>(moe::cuda::multiprocessors(), tiles) / 2 * 2);
-    return launch_kernel<T, Epilogue::kTma, true>(p, pair_blocks, lhs_map, rhs_map, out_map, stream);
-  }
   auto run = [&](auto epilogue) {
     return launch_kernel<T, decltype(epilogue)::value>(p, blocks, lhs_map, rhs_map, out_map, stream);
   };

@@ -58,12 +58,11 @@ struct StageRing {
     return reinterpret_cast<U*>(smem + kTablesOffset + byte_offset);
   }
 
-  // One thread, before the block's first __syncthreads. empty_arrivals: kConsumerWarps, or twice
-  // that where a CTA pair's consumers release both CTAs' stages (StageConsumer's kPair).
-  __device__ void init_barriers(int empty_arrivals = kConsumerWarps) const {
+  // One thread, before the block's first __syncthreads.
+  __device__ void init_barriers() const {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), kFullArrivals);
-      mbar_init(empty(s), empty_arrivals);
+      mbar_init(empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to TMA's complete_tx
@@ -124,10 +123,8 @@ inline int env_choice(const char* name, std::initializer_list<std::string_view> 
 }
 
 // A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
-// wgmma in flight, and releases a stage once its wgmma are done. kPair: the CTA is one of a
-// cluster of two whose producers multicast into both CTAs' stages, so a stage is released in
-// both (each CTA's empty barriers count both CTAs' consumer warps).
-template <class Op, bool kPair = false>
+// wgmma in flight, and releases a stage once its wgmma are done.
+template <class Op>
 struct StageConsumer {
   int consumer;    // 0 or 1
   bool stagger;    // see consumer_stagger()
@@ -214,10 +211,7 @@ struct StageConsumer {
   // One arrival per warp (the empty barrier counts warps).
   __device__ __forceinline__ static void arrive_empty(const StageRing& ring, int stage) {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) {
-      mbar_arrive(ring.empty(stage));
-      if constexpr (kPair) mbar_arrive_remote(ring.empty(stage), cluster_rank() ^ 1);
-    }
+    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty(stage));
   }
 };
 
