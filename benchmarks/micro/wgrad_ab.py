@@ -1,7 +1,7 @@
 """The grouped weight gradient (ragged_dot's d rhs) on our persistent kernel (with each epilogue)
 against CUTLASS's ptr-array kernel and a dense GEMM of the same FLOPs ([M, K]ᵀ · [M, N]), CUPTI device time, one run
-(GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and writing
-its G x K x N output at the copy bandwidth.
+(GPU only). The bound of each problem: the larger of its MMA at the dense GEMM's rate and moving its
+DRAM bytes (writing the G x K x N output, reading both operands once) at the copy bandwidth.
 
     python benchmarks/micro/wgrad_ab.py [OUT.txt] [PROBLEMS, e.g. qwen3_w13,qwen3_w2] [KINDS, e.g. uniform,routed4096]
         [KERNELS, e.g. cutlass,persistent-tma; the first is the reference] [no-layer]
@@ -77,12 +77,14 @@ for name in NAMES:
             times[kernel] = med(f, lhs, rhs, ct, out_bytes=out_bytes)
         del reference
         write_us = out_bytes / (copy_tbps * 1e6)
-        bound = max(t_dense, write_us)
+        dram_us = (out_bytes + lhs.nbytes + ct.nbytes) / (copy_tbps * 1e6)
+        bound = max(t_dense, dram_us)
         tc = times[KERNELS[0]]
         each = ", ".join(f"{k} {t:.1f} us ({flop / t / 1e6:.0f} TFLOP/s, x{tc / t:.2f}, /bound {t / bound:.2f})"
                          for k, t in times.items())
         print(f"{name} {kind} (G {G}, M {M}, K {K}, N {N}): dW {each}; dense {t_dense:.1f} us "
-              f"({flop / t_dense / 1e6:.0f} TFLOP/s); write {write_us:.1f} us; max rel diff {diff:.1e}",
+              f"({flop / t_dense / 1e6:.0f} TFLOP/s); write {write_us:.1f} us, + reads {dram_us:.1f}; "
+              f"max rel diff {diff:.1e}",
               file=LOG, flush=True)
 
 # The layer: jit(grad) of moe_mlp (x, gates, both weights) with each dW kernel, Qwen3 at T = 4096.
