@@ -71,9 +71,9 @@ def _in_order(rows):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _fused_expert_mlp(rows, group_sizes, w_in, w_out, activation):
     """expert_mlp with the activation in the first GEMM's epilogue. Its JVP keeps what the plain
-    one does (the inputs and gate_up, the activation recomputed in the backward); its primal runs
-    the fused kernel where MOE_GATHER_GEMM enables it for a differentiated pass, the composition
-    otherwise; the tangent runs the composition."""
+    one does (the inputs and gate_up, the activation recomputed in the backward). Undifferentiated
+    it runs the fused kernel; its JVP computes the primal on the fused kernel only where
+    MOE_GATHER_GEMM=1 (the composition otherwise), the tangent on the composition."""
     h, _ = gather_gemm.gather_gemm(rows, _in_order(rows), group_sizes, w_in, activation=activation)
     return ragged_dot(h, w_out, group_sizes)
 
