@@ -50,22 +50,30 @@ def kernel_fits(x, w, rows: int, activation: str) -> bool:
 
 # MOE_GATHER_GEMM (read at trace time): where `layer.moe_mlp` and `layer.expert_mlp` take the fused
 # kernel. "forward" (the default): the forward pass, not the pass being differentiated, which runs
-# the composition (measured faster for jit(grad): docs/layer.md, "The fused first GEMM"); "1": both;
-# "0": neither. The primitive itself runs the kernel wherever it fits.
+# the composition (measured faster for jit(grad): docs/layer.md, "The fused first GEMM"), and only
+# for groups of FORWARD_ROWS_PER_GROUP rows on average; "1": both passes, any group sizes; "0":
+# neither. The primitive itself runs the kernel wherever it fits.
 LAYER_MODES = ("forward", "1", "0")
+# Measured faster at Qwen3-30B-A3B's 256 rows a group (T = 4096). From 512 rows on CUTLASS's tiles
+# run near the dense rate (Mixtral's 1024: 715 TFLOP/s in the layer), above this kernel's 400-515;
+# below one tile a group, the forward keeps CUTLASS's 64-row tile (neither compared yet).
+FORWARD_ROWS_PER_GROUP = (128, 512)
 
 
-def layer_enabled(differentiated: bool = False) -> bool:
-    """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM)."""
+def layer_enabled(differentiated: bool = False, rows_per_group: float = 256.0) -> bool:
+    """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM), for groups of
+    `rows_per_group` rows on average."""
     mode = gemm_primitives.env_choice("MOE_GATHER_GEMM", LAYER_MODES)
-    return mode == "1" or (mode == "forward" and not differentiated)
+    low, high = FORWARD_ROWS_PER_GROUP
+    return mode == "1" or (mode == "forward" and not differentiated and low <= rows_per_group < high)
 
 
 def layer_kernel_applies(x, w_in, rows: int, activation: str, differentiated: bool = False) -> bool:
     """Whether the layer (`moe_mlp`, `expert_mlp`) runs a first GEMM of `rows` rows read from x on
-    the fused kernel: enabled for this pass, it fits, and the call is not decode-sized (those take
-    the decode kernels)."""
-    return (layer_enabled(differentiated) and rows > 0 and kernel_fits(x, w_in, rows, activation)
+    the fused kernel: enabled for this pass and these groups, it fits, and the call is not
+    decode-sized (those take the decode kernels)."""
+    return (layer_enabled(differentiated, rows / w_in.shape[0]) and rows > 0
+            and kernel_fits(x, w_in, rows, activation)
             and not gemm_primitives.use_decode_kernel(1, rows, w_in.shape[0]))
 
 

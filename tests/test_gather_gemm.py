@@ -307,14 +307,17 @@ def test_kernel_wide_and_reproducible():
 
 def test_layer_mode_variable(monkeypatch):
     """MOE_GATHER_GEMM: "forward" (the default) enables the layer's fused kernel in the forward pass
-    only, "1" in the differentiated pass too, "0" in neither; anything else is an error naming the
-    variable, raised when the layer is traced."""
+    only, for groups of 128 to 511 rows on average; "1" in both passes at any group size; "0" in
+    neither; anything else is an error naming the variable, raised when the layer is traced."""
     monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
-    assert gather_gemm.layer_enabled() and not gather_gemm.layer_enabled(differentiated=True)
+    assert gather_gemm.layer_enabled(rows_per_group=256) and not gather_gemm.layer_enabled(True, 256)
     for mode, forward, differentiated in (("forward", True, False), ("1", True, True), ("0", False, False)):
         monkeypatch.setenv("MOE_GATHER_GEMM", mode)
-        assert gather_gemm.layer_enabled() == forward
-        assert gather_gemm.layer_enabled(differentiated=True) == differentiated
+        for rows_per_group in (128, 256, 511.9):
+            assert gather_gemm.layer_enabled(False, rows_per_group) == forward
+            assert gather_gemm.layer_enabled(True, rows_per_group) == differentiated
+        for rows_per_group in (0.5, 127.9, 512, 1024):  # outside the measured range: only when forced
+            assert gather_gemm.layer_enabled(False, rows_per_group) == (mode == "1")
     monkeypatch.setenv("MOE_GATHER_GEMM", "yes")
     with pytest.raises(ValueError, match="MOE_GATHER_GEMM"):
         jmp.moe_mlp(*layer_inputs(8, 4, 2, 16, 8, "swiglu", jnp.float32))
@@ -349,9 +352,9 @@ def layer_modes_agree(monkeypatch, f, args, argnums, tol):
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_expert_mlp_uses_kernel(monkeypatch, activation):
     """expert_mlp (moe_ep's expert_fn) applies the activation in the fused kernel's epilogue where
-    MOE_GATHER_GEMM enables it, equal to its plain composition to rounding, forward and under
-    jax.grad."""
-    rows, sizes, w_in, w_out = expert_mlp_inputs(activation, jnp.bfloat16, R=300, H=128, F=128)
+    MOE_GATHER_GEMM enables it (150 rows a group on average: inside the default's range), equal to
+    its plain composition to rounding, forward and under jax.grad."""
+    rows, sizes, w_in, w_out = expert_mlp_inputs(activation, jnp.bfloat16, R=600, H=128, F=128)
     sizes = jnp.asarray([100, 0, 130, 60], jnp.int32)
     f = lambda r, wi, wo: layer.expert_mlp(r, sizes, wi, wo, activation)
     layer_modes_agree(monkeypatch, f, (rows, w_in, w_out), (0, 1, 2), 2e-2)
@@ -360,8 +363,9 @@ def test_expert_mlp_uses_kernel(monkeypatch, activation):
 @needs_gpu
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_layer_uses_kernel_and_matches_dense(monkeypatch, activation):
-    """moe_mlp on kernel-sized experts takes the fused kernel where MOE_GATHER_GEMM enables it,
-    forward and under jax.grad, equal to the composition to rounding and to the dense reference."""
+    """moe_mlp on kernel-sized experts (128 rows a group on average) takes the fused kernel where
+    MOE_GATHER_GEMM enables it, forward and under jax.grad, equal to the composition to rounding
+    and to the dense reference."""
     T, E, K, H, F = 256, 8, 4, 128, 128
     x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation, jnp.bfloat16)
     f = lambda x, w, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation)
