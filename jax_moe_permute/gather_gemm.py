@@ -60,7 +60,7 @@ LAYER_MODES = ("forward", "1", "0")
 FORWARD_ROWS_PER_GROUP = (128, 512)
 
 
-def layer_enabled(differentiated: bool = False, rows_per_group: float = 256.0) -> bool:
+def layer_enabled(differentiated: bool, rows_per_group: float) -> bool:
     """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM), for groups of
     `rows_per_group` rows on average."""
     mode = gemm_primitives.env_choice("MOE_GATHER_GEMM", LAYER_MODES)

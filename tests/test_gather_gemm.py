@@ -310,7 +310,7 @@ def test_layer_mode_variable(monkeypatch):
     only, for groups of 128 to 511 rows on average; "1" in both passes at any group size; "0" in
     neither; anything else is an error naming the variable, raised when the layer is traced."""
     monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
-    assert gather_gemm.layer_enabled(rows_per_group=256) and not gather_gemm.layer_enabled(True, 256)
+    assert gather_gemm.layer_enabled(False, 256) and not gather_gemm.layer_enabled(True, 256)
     for mode, forward, differentiated in (("forward", True, False), ("1", True, True), ("0", False, False)):
         monkeypatch.setenv("MOE_GATHER_GEMM", mode)
         for rows_per_group in (128, 256, 511.9):

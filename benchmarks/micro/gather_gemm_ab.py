@@ -17,7 +17,6 @@ from jax_moe_permute import gather_gemm, layer, ops, routing
 from jax_moe_permute.bench_layer import MODELS  # name: (E, K, H, F)
 from jax_moe_permute.grouped_gemm import ragged_dot
 
-os.environ["MOE_GATHER_GEMM"] = "1"  # the layer's fused branch, off by default until verified
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 LOG = open(sys.argv[2], "a") if len(sys.argv) > 2 and sys.argv[2] != "-" else sys.stdout
 NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["qwen3", "deepseek", "mixtral"]
@@ -94,7 +93,7 @@ for name in NAMES:
             results[tag] = (jax.jit(layer_fn)(*args), jax.jit(grad)(*args))
             times[tag] = (med(layer_fn, *args), med(grad, *args))
         finally:
-            os.environ["MOE_GATHER_GEMM"] = "1"
+            os.environ.pop("MOE_GATHER_GEMM")
     errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(results["gather"]), jax.tree.leaves(results["unfused"]))]
     (g_fwd, g_bwd), (u_fwd, u_bwd) = times["gather"], times["unfused"]
     print(f"{name} T={T} layer (routed): fwd gather {g_fwd:.0f} us / unfused {u_fwd:.0f} (x{u_fwd / g_fwd:.3f}); "
