@@ -166,6 +166,16 @@ __device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4]) {
   return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
+// Four 8 x 8 matrices of 16-bit values, each held as wgmma holds its accumulator's 8 x 8 blocks
+// (lane l: row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1, one packed pair per register), into
+// shared memory, a matrix row per 16 bytes: lane l gives the address of row l % 8 of matrix l / 8.
+// The transpose across the quad that quad_transpose does with shuffles, done by the store itself.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
+}
+
 // The sum of v over lanes 0..lane of the warp.
 template <class T>
 __device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
