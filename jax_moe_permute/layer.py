@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.custom_derivatives import SymbolicZero
 
-from . import decode_mlp, gather_gemm, ops, primitives
+from . import decode_mlp, down_backward, gather_gemm, ops, primitives
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -101,7 +101,10 @@ def _fused_expert_mlp_jvp(activation, primals, tangents):
 def _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows=None, dw_rows=None):
     """The tangent of ragged_dot(w_rows * act(gate_up), w_out) (w_rows [R, 1], the gates in row
     order, or none) for the tangents of gate_up, w_out and w_rows (each may be None). Checkpointed:
-    the backward keeps gate_up and w_rows and recomputes h and w * h."""
+    the backward keeps gate_up and w_rows and recomputes h and w * h. MOE_DOWN_BACKWARD=fused:
+    down_backward.py's primitive, whose transpose runs that backward in one pass."""
+    if down_backward.enabled():
+        return down_backward.down_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows)
 
     @jax.checkpoint
     def tangent(gate_up, w_rows, d_gate_up, dw_rows, dw_out):

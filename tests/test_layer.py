@@ -45,10 +45,21 @@ def assert_allclose(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
+# MOE_DOWN_BACKWARD: the backward of the layer's second half as the plain tangent's transpose, or
+# as down_backward.py's primitive (one pass after the d lhs GEMM).
+DOWN_BACKWARD = ["composition", "fused"]
+
+
+@pytest.fixture(params=DOWN_BACKWARD)
+def down_backward(request, monkeypatch):
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("activation,T,E,K,H,F", [
     ("swiglu", 13, 8, 2, 16, 24), ("swiglu", 1, 4, 4, 1, 3), ("swiglu", 7, 1, 1, 5, 2), ("swiglu", 0, 4, 2, 8, 8),
     ("geglu", 10, 4, 2, 8, 6), ("gelu", 9, 5, 3, 7, 4), ("relu", 12, 6, 2, 8, 5)])
-def test_forward_and_grads_match_dense(activation, T, E, K, H, F):
+def test_forward_and_grads_match_dense(activation, T, E, K, H, F, down_backward):
     args = layer_inputs(T, E, K, H, F, activation)
     ours = jax.jit(functools.partial(jmp.moe_mlp, activation=activation))
     ref = functools.partial(dense_moe, activation=activation)
@@ -68,7 +79,7 @@ TANGENT_SETS = [(0,), (1,), (3,), (4,), (0, 1, 3, 4)]
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 @pytest.mark.parametrize("varying", TANGENT_SETS)
-def test_forward_mode_matches_dense(activation, varying):
+def test_forward_mode_matches_dense(activation, varying, down_backward):
     """jax.jvp with any subset of x, weights, w_in, w_out varying, invalid and repeated ids."""
     args = list(layer_inputs(11, 6, 3, 8, 5, activation))
     args[2] = jax.random.randint(jax.random.PRNGKey(3), (11, 3), -1, 7)
@@ -87,7 +98,7 @@ def test_forward_mode_matches_dense(activation, varying):
     assert_allclose(dout, dref, 1e-4)
 
 
-def test_second_order_matches_dense():
+def test_second_order_matches_dense(down_backward):
     """Reverse over reverse and forward over reverse (a Hessian-vector product) through the JVP rule."""
     args = layer_inputs(9, 4, 2, 6, 5)
     ct = random_float((9, 6), jnp.float32)
@@ -107,7 +118,7 @@ def test_second_order_matches_dense():
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3"])
-def test_saved_residuals_at_most_a_dense_mlp(model):
+def test_saved_residuals_at_most_a_dense_mlp(model, down_backward):
     """The backward keeps x, the routing and the first GEMM's output only: no more per token than
     a dense SwiGLU MLP of the same active width (counted from shapes: nothing runs)."""
     from jax_moe_permute import bench_memory
@@ -118,6 +129,18 @@ def test_saved_residuals_at_most_a_dense_mlp(model):
     # x and the gate|up product in bf16; the routing's float32 [E] probabilities and a few [K]
     # ids, weights and rows
     assert ours <= 2 * H + 2 * K * 2 * F + 4 * E + 8 * 4 * K + 64
+
+
+def test_grads_of_vmapped_layers(down_backward):
+    """jax.grad inside vmap (a stack of layers, each with its own weights) and vmap of jax.grad."""
+    B, T, E, K, H, F = 2, 7, 4, 2, 8, 6
+    x, ct = random_float((B, T, H), jnp.float32), random_float((B, T, H), jnp.float32)
+    r = jax.jit(jax.vmap(lambda z: jmp.route(z, K)))(random_float((B, T, E), jnp.float32))
+    w_in, w_out = random_float((B, E, H, 2 * F), jnp.float32), random_float((B, E, F, H), jnp.float32)
+    loss = lambda f: lambda x, w, ids, wi, wo, c: jnp.sum(f(x, w, ids, wi, wo) * c)
+    grads = lambda f: jax.vmap(jax.grad(loss(f), (0, 1, 3, 4)))(x, r.weights, r.ids, w_in, w_out, ct)
+    for a, b in zip(jax.jit(lambda: grads(jmp.moe_mlp))(), jax.jit(lambda: grads(dense_moe))()):
+        assert_allclose(a, b, 1e-4)
 
 
 def test_invalid_ids_and_duplicates():
@@ -204,3 +227,66 @@ def test_package_import_leaves_flax_out():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=__file__.rsplit("/tests/", 1)[0])
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# (gates, which tangents are live: gate_up, the gates, w_out); without gates there is no gates' tangent.
+DOWN_CASES = {"all": (True, (True, True, True)), "gate_up": (True, (True, False, False)),
+              "gates": (True, (False, True, False)), "w_out": (True, (False, False, True)),
+              "ungated_all": (False, (True, False, True)), "ungated_w_out": (False, (False, False, True))}
+
+
+@pytest.mark.parametrize("case", DOWN_CASES)
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_down_backward_primitive(case, activation):
+    """down_backward's primitive: its value is the plain tangent's, its transpose (the backward in
+    one pass: d gate_up, the gates' gradient, w_out's through w * h) the plain tangent's transpose,
+    with empty groups and rows past the groups' sum; under vmap and differentiated again it runs
+    the composition."""
+    from jax_moe_permute import down_backward
+
+    R, G, H, F = 23, 4, 8, 5
+    width = 2 * F if activation == "swiglu" else F
+    sizes = jnp.array([6, 0, 9, 5], jnp.int32)  # 20 of 23 rows
+    gate_up, w_out = random_float((R, width), jnp.float32), random_float((G, F, H), jnp.float32)
+    weighted, live = DOWN_CASES[case]
+    w = random_float((R, 1), jnp.float32) if weighted else None
+    shapes = [(R, width), (R, 1), (G, F, H)]
+    tangents = [random_float(shape, jnp.float32) if on else None for shape, on in zip(shapes, live)]
+    params = dict(activation=activation, live=live, weighted=weighted)
+    placeholder = lambda a, ndim: jnp.zeros((1,) * ndim) if a is None else a
+
+    def ours(gate_up, *t):
+        d = iter(t)
+        d = [next(d) if on else None for on in live]
+        return down_backward.down_tangent(activation, sizes, w_out, gate_up, d[0], d[2], w, d[1])
+
+    def plain(gate_up, *t):
+        d = iter(t)
+        d = [next(d) if on else placeholder(None, n) for on, n in zip(live, (2, 2, 3))]
+        return down_backward._tangent_composition(d[0], d[1], d[2], gate_up, placeholder(w, 2), w_out, sizes,
+                                                  **params)
+
+    args = [t for t in tangents if t is not None]
+    assert_allclose(jax.jit(ours)(gate_up, *args), jax.jit(plain)(gate_up, *args))
+    ct = random_float((R, H), jnp.float32)
+    backward = lambda f, gu, c: jax.linear_transpose(functools.partial(f, gu), *args)(c)
+    for a, b in zip(jax.jit(functools.partial(backward, ours))(gate_up, ct),
+                    jax.jit(functools.partial(backward, plain))(gate_up, ct)):
+        assert_allclose(a, b, 1e-4)
+    batched = [jnp.stack([a, 2 * a]) for a in args]
+    vmapped = lambda f: jax.jit(jax.vmap(f, in_axes=(None,) + (0,) * len(args)))(gate_up, *batched)
+    assert_allclose(vmapped(ours), vmapped(plain))
+    # The backward differentiated again, along gate_up and the cotangent: the JVP rule's composition.
+    d_gu = random_float(gate_up.shape, jnp.float32)
+    again = lambda f: jax.jvp(functools.partial(backward, f), (gate_up, ct), (d_gu, 2 * ct))[1]
+    for a, b in zip(jax.jit(lambda: again(ours))(), jax.jit(lambda: again(plain))()):
+        assert_allclose(a, b, 1e-4)
+
+
+def test_down_backward_switch_checked(monkeypatch):
+    """Any other MOE_DOWN_BACKWARD value is an error naming the variable when the layer's
+    derivative is traced."""
+    args = layer_inputs(5, 4, 2, 8, 6)
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "kernel")
+    with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD"):
+        jax.grad(lambda x: jnp.sum(jmp.moe_mlp(x, *args[1:])))(args[0])
