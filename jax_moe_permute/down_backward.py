@@ -1,14 +1,16 @@
 """The expert MLP's second half, y = ragged_dot(w * act(gate_up), w_out) (w the gates in row order,
-or none), as the layer's derivative sees it: one primitive for its tangent, linear in the tangents
-of gate_up, w and w_out, whose transpose rule is the backward of the whole half in one pass.
+or none), as the layer's derivative sees it: one primitive for its tangent (down_tangent_p), linear
+in the tangents of gate_up, w and w_out, whose transpose rule is the backward of the whole half in
+one pass (down_vjp_p, then w_out's weight-gradient GEMM).
 
 Given the rows' cotangent ct [R, H], the backward is the d lhs GEMM g = ct · w_outᵀ [R, F] and
 three element-wise results of g: d gate_up = act'(gate_up)ᵀ (w * g), the gates' gradient
 d w = Σ_f g * h (h = act(gate_up)), and w * h, the lhs of w_out's gradient (w * h)ᵀ · ct (the
 weight-gradient GEMM). All three are what an epilogue of the d lhs GEMM can compute while g is
 still in registers, so that the [R, F] product is never written nor read back
-(docs/design-notes.md, "Grouped GEMM tiles", item 9). Here they run as a composition of our
-grouped GEMMs and XLA's element-wise ops, in float32 from g onwards.
+(docs/design-notes.md, "Grouped GEMM tiles", item 9): down_vjp_p is that kernel's primitive.
+Its lowering is still a composition of our grouped GEMMs and XLA's element-wise ops, in float32
+from g onwards.
 
 MOE_DOWN_BACKWARD (read when the layer is traced): "composition" (the default) differentiates the
 layer's plain tangent (checkpointed: h and w * h recomputed); "fused" takes this primitive.
@@ -36,6 +38,12 @@ def enabled() -> bool:
     return gemm_primitives.env_choice("MOE_DOWN_BACKWARD", MODES) == "fused"
 
 
+def _activation(gate_up, activation):
+    from .layer import apply_activation  # layer binds these primitives: import it when first used
+
+    return apply_activation(gate_up, activation)
+
+
 down_tangent_p = Primitive("jax_moe_permute_down_tangent")
 _PARAMS = ("activation", "live", "weighted")
 
@@ -55,9 +63,7 @@ def down_tangent(activation, sizes, w_out, gate_up, d_gate_up, d_w_out, w=None, 
 
 def _tangent_composition(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activation, live, weighted):
     """down_tangent in plain terms: the derivative of the layer's own composition."""
-    from .layer import apply_activation  # layer binds this primitive: import it when first used
-
-    act = lambda g: apply_activation(g, activation)
+    act = functools.partial(_activation, activation=activation)
     weigh = (lambda a: w * a) if weighted else (lambda a: a)
     has_d_gate_up, has_d_w, has_d_w_out = live
     dh_weighted = None
@@ -76,19 +82,26 @@ def _tangent_composition(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, a
     return sum(terms[1:], terms[0])
 
 
-def down_vjp(ct, gate_up, w, w_out, sizes, *, activation, weighted, need):
-    """The backward of the layer's second half from the rows' cotangent ct [R, H]: (d gate_up,
-    d w [R, 1] float32, w * h), each only where `need` (a bool per result) asks for it."""
-    from .layer import apply_activation
+down_vjp_p = Primitive("jax_moe_permute_down_vjp")
+down_vjp_p.multiple_results = True
 
-    dtype = gate_up.dtype
-    g = gemm_primitives.ragged_dot_bind(ct[None], w_out[None], sizes[None], rhs_transposed=True, out_dtype=dtype,
+
+def _vjp_composition(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    """The backward of the layer's second half from the rows' cotangent ct [R, H]: (d gate_up,
+    d w [R, 1] float32, w * h). What the d lhs GEMM's epilogue is to compute, in plain terms."""
+    g = gemm_primitives.ragged_dot_bind(ct[None], w_out[None], sizes[None], rhs_transposed=True, out_dtype=ct.dtype,
                                         precision=None)[0].astype(jnp.float32)
-    h, act_vjp = jax.vjp(lambda a: apply_activation(a, activation), gate_up.astype(jnp.float32))
-    d_gate_up = act_vjp(w * g if weighted else g)[0].astype(dtype) if need[0] else None
-    d_w = jnp.sum(g * h, axis=-1, keepdims=True) if need[1] else None
-    w_h = (w * h if weighted else h).astype(dtype) if need[2] else None
-    return d_gate_up, d_w, w_h
+    h, act_vjp = jax.vjp(functools.partial(_activation, activation=activation), gate_up.astype(jnp.float32))
+    d_gate_up = act_vjp(w * g if weighted else g)[0].astype(gate_up.dtype)
+    return d_gate_up, jnp.sum(g * h, axis=-1, keepdims=True), (w * h if weighted else h).astype(gate_up.dtype)
+
+
+def _vjp_abstract(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    avals = (ct, gate_up, w, w_out, sizes)
+    R = gate_up.shape[0]
+    return [_compat.shaped_like(avals, gate_up.shape, gate_up.dtype),
+            _compat.shaped_like(avals, (R, 1), jnp.float32),
+            _compat.shaped_like(avals, (R, w_out.shape[1]), gate_up.dtype)]
 
 
 def _abstract(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, **params):
@@ -101,8 +114,14 @@ def _transpose(ct, d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activat
     need = tuple(ad.is_undefined_primal(a) for a in (d_gate_up, d_w, d_w_out))
     if type(ct) is ad.Zero or not any(need):
         return [None] * 7
-    d_gate_up_ct, d_w_ct, w_h = down_vjp(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted,
-                                         need=need)
+    if need[0] or need[1]:  # the d lhs GEMM and its epilogue
+        d_gate_up_ct, d_w_ct, w_h = down_vjp_p.bind(*_compat.pvary_to_match(ct, gate_up, w, w_out, sizes),
+                                                    activation=activation, weighted=weighted)
+    else:  # w_out's gradient alone: no GEMM before it
+        d_gate_up_ct = d_w_ct = None
+        h = _activation(gate_up.astype(jnp.float32), activation)
+        w_h = (w * h if weighted else h).astype(gate_up.dtype)
+    d_gate_up_ct, d_w_ct = (d_gate_up_ct if need[0] else None), (d_w_ct if need[1] else None)
     d_w_out_ct = None
     if need[2]:  # ragged_dot's weight gradient: (w * h)ᵀ · ct per group
         d_w_out_ct = gemm_primitives.ragged_dot_wgrad_bind(w_h[None], ct[None], sizes[None],
@@ -110,19 +129,27 @@ def _transpose(ct, d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activat
     return [d_gate_up_ct, d_w_ct, d_w_out_ct, None, None, None, None]
 
 
-def _jvp(primals, tangents, **params):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(_tangent_composition, **params), primals, tangents)
+def _composition_rules(composition, multiple_results):
+    """JVP and batching rules that run the primitive's composition: derivatives of the backward
+    and vmapped calls take the plain ops."""
+
+    def jvp(primals, tangents, **params):
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        out, d_out = jax.jvp(functools.partial(composition, **params), tuple(primals), tangents)
+        return (list(out), list(d_out)) if multiple_results else (out, d_out)
+
+    def batch(args, dims, **params):
+        out = jax.vmap(functools.partial(composition, **params), in_axes=dims)(*args)
+        return out, ([0] * len(out) if multiple_results else 0)
+
+    return jvp, batch
 
 
-def _batch(args, dims, **params):
-    return jax.vmap(functools.partial(_tangent_composition, **params), in_axes=dims)(*args), 0
-
-
-down_tangent_p.def_impl(jax.jit(down_tangent_p.bind, static_argnames=_PARAMS))
-down_tangent_p.def_abstract_eval(_abstract)
-mlir.register_lowering(down_tangent_p, mlir.lower_fun(_tangent_composition, multiple_results=False))
-batching.primitive_batchers[down_tangent_p] = _batch
-ad.primitive_jvps[down_tangent_p] = _jvp
+for p, composition, abstract, params in ((down_tangent_p, _tangent_composition, _abstract, _PARAMS),
+                                          (down_vjp_p, _vjp_composition, _vjp_abstract, ("activation", "weighted"))):
+    p.def_impl(jax.jit(p.bind, static_argnames=params))
+    p.def_abstract_eval(abstract)
+    mlir.register_lowering(p, mlir.lower_fun(composition, multiple_results=p.multiple_results))
+    ad.primitive_jvps[p], batching.primitive_batchers[p] = _composition_rules(composition, p.multiple_results)
+    _compat.require_devices_at_lowering(p)  # its composition holds our grouped GEMMs
 ad.primitive_transposes[down_tangent_p] = _transpose
-_compat.require_devices_at_lowering(down_tangent_p)  # its composition holds our grouped GEMMs

@@ -276,11 +276,16 @@ def test_down_backward_primitive(case, activation):
     batched = [jnp.stack([a, 2 * a]) for a in args]
     vmapped = lambda f: jax.jit(jax.vmap(f, in_axes=(None,) + (0,) * len(args)))(gate_up, *batched)
     assert_allclose(vmapped(ours), vmapped(plain))
-    # The backward differentiated again, along gate_up and the cotangent: the JVP rule's composition.
-    d_gu = random_float(gate_up.shape, jnp.float32)
-    again = lambda f: jax.jvp(functools.partial(backward, f), (gate_up, ct), (d_gu, 2 * ct))[1]
-    for a, b in zip(jax.jit(lambda: again(ours))(), jax.jit(lambda: again(plain))()):
+    # The backward vmapped over cotangents, and differentiated again along the cotangent alone (the
+    # backward's primitive's rules) and along gate_up too (the tangent's): each the composition.
+    cts = jnp.stack([ct, -ct])
+    for a, b in zip(*(jax.jit(jax.vmap(functools.partial(backward, f, gate_up)))(cts) for f in (ours, plain))):
         assert_allclose(a, b, 1e-4)
+    d_gu = random_float(gate_up.shape, jnp.float32)
+    for primals, tangents in (((gate_up, ct), (jnp.zeros_like(gate_up), 2 * ct)), ((gate_up, ct), (d_gu, 2 * ct))):
+        again = lambda f: jax.jvp(functools.partial(backward, f), primals, tangents)[1]
+        for a, b in zip(jax.jit(lambda: again(ours))(), jax.jit(lambda: again(plain))()):
+            assert_allclose(a, b, 1e-4)
 
 
 def test_down_backward_switch_checked(monkeypatch):
