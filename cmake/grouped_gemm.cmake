@@ -28,7 +28,7 @@ message(STATUS "Grouped GEMM: CUTLASS headers from ${CUTLASS_SOURCE_DIR}")
 # and chosen per call in gemm/ffi_grouped_gemm_cuda.cc. The weight gradient (M = K of the weights) uses
 # the large tile only.
 set(_moe_gemm_units cpp/gemm/grouped_gemm_setup.cu cpp/gemm/grouped_gemm_decode.cu cpp/gemm/moe_mlp_decode.cu
-                     cpp/gemm/gather_gemm.cu cpp/gemm/grouped_wgrad.cu)
+                     cpp/gemm/gather_gemm.cu cpp/gemm/grouped_wgrad.cu cpp/gemm/down_backward.cu)
 foreach(_dtype Bf16 F16)
   foreach(_layout_tile IN ITEMS
           Forward:128x256 Forward:64x256 Forward:128x128 TransposedRhs:128x256 TransposedRhs:64x256
@@ -52,6 +52,6 @@ target_include_directories(moe_grouped_gemm_sm90a PRIVATE
   "${PROJECT_SOURCE_DIR}/cpp" "${CUTLASS_SOURCE_DIR}/include" "${CUTLASS_SOURCE_DIR}/tools/util/include")
 
 target_sources(_cuda PRIVATE cpp/gemm/ffi_grouped_gemm_cuda.cc cpp/gemm/ffi_gather_gemm_cuda.cc
-                             cpp/gemm/ffi_grouped_wgrad_cuda.cc)
+                             cpp/gemm/ffi_grouped_wgrad_cuda.cc cpp/gemm/ffi_down_backward_cuda.cc)
 target_link_libraries(_cuda PRIVATE moe_grouped_gemm_sm90a)
 target_compile_definitions(_cuda PRIVATE MOE_HAS_GROUPED_GEMM)

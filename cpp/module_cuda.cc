@@ -45,6 +45,7 @@ NB_MODULE(_cuda, m) {
     d["moe_mlp_decode_stacked"] = moe::capsule(MoeMlpDecodeStackedCuda);
     d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);
     d["ragged_dot_wgrad_sm90"] = moe::capsule(MoeGroupedWgradCuda);
+    d["down_backward"] = moe::capsule(MoeDownBackwardCuda);
 #endif
     return d;
   });
@@ -64,6 +65,8 @@ NB_MODULE(_cuda, m) {
   m.def("moe_mlp_decode_workspace_bytes", &moe::gemm::moe_mlp_decode_workspace_bytes);
   // gather_gemm_fits(tokens, hidden, experts, rows, n, activation): whether gather_gemm covers the call.
   m.def("gather_gemm_fits", &moe::gemm::gather_gemm_fits);
+  // down_backward_fits(rows, hidden, experts, ffn, activation): whether down_backward covers the call.
+  m.def("down_backward_fits", &moe::gemm::down_backward_fits);
   // ragged_dot_wgrad_sm90_fits(rows, k, n, groups): whether our weight-gradient kernel covers the call.
   m.def("ragged_dot_wgrad_sm90_fits", &moe::gemm::grouped_wgrad_fits);
   // ragged_dot_wgrad_sm90_preferred(rows, k, n, groups): whether it is the default there.

@@ -8,9 +8,9 @@ three element-wise results of g: d gate_up = act'(gate_up)ᵀ (w * g), the gates
 d w = Σ_f g * h (h = act(gate_up)), and w * h, the lhs of w_out's gradient (w * h)ᵀ · ct (the
 weight-gradient GEMM). All three are what an epilogue of the d lhs GEMM can compute while g is
 still in registers, so that the [R, F] product is never written nor read back
-(docs/design-notes.md, "Grouped GEMM tiles", item 9): down_vjp_p is that kernel's primitive.
-Its lowering is still a composition of our grouped GEMMs and XLA's element-wise ops, in float32
-from g onwards.
+(docs/design-notes.md, "Grouped GEMM tiles", item 9): down_vjp_p lowers to that kernel
+(cpp/gemm/down_backward.cu) on sm_90 for bf16 / f16 where it fits, elsewhere to a composition of
+our grouped GEMMs and XLA's element-wise ops, in float32 from g onwards.
 
 MOE_DOWN_BACKWARD (read when the layer is traced): "composition" (the default) differentiates the
 layer's plain tangent (checkpointed: h and w * h recomputed); "fused" takes this primitive.
@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _compat, gemm_primitives
+from . import _compat, _native, gemm_primitives
+from .gather_gemm import ACTIVATION_CODES
 from .grouped_gemm import ragged_dot
 from .primitives import placeholder
 
@@ -93,7 +95,10 @@ def _vjp_composition(ct, gate_up, w, w_out, sizes, *, activation, weighted):
                                         precision=None)[0].astype(jnp.float32)
     h, act_vjp = jax.vjp(functools.partial(_activation, activation=activation), gate_up.astype(jnp.float32))
     d_gate_up = act_vjp(w * g if weighted else g)[0].astype(gate_up.dtype)
-    return d_gate_up, jnp.sum(g * h, axis=-1, keepdims=True), (w * h if weighted else h).astype(gate_up.dtype)
+    # Rows past the groups' sum: g is zero there, and w * h is written as zeros too (as the kernel does).
+    covered = jnp.arange(gate_up.shape[0])[:, None] < jnp.sum(jnp.maximum(sizes, 0))
+    w_h = jnp.where(covered, w * h if weighted else h, 0.0).astype(gate_up.dtype)
+    return d_gate_up, jnp.sum(g * h, axis=-1, keepdims=True), w_h
 
 
 def _vjp_abstract(ct, gate_up, w, w_out, sizes, *, activation, weighted):
@@ -102,6 +107,36 @@ def _vjp_abstract(ct, gate_up, w, w_out, sizes, *, activation, weighted):
     return [_compat.shaped_like(avals, gate_up.shape, gate_up.dtype),
             _compat.shaped_like(avals, (R, 1), jnp.float32),
             _compat.shaped_like(avals, (R, w_out.shape[1]), gate_up.dtype)]
+
+
+def kernel_fits(ct, gate_up, w_out, activation: str) -> bool:
+    """Whether down_vjp_p takes the kernel for these static shapes and dtypes (its launcher's rule)."""
+    if not (_native.has_target("cuda", "down_backward") and gemm_primitives.kernels_available()):
+        return False
+    if ct.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or {gate_up.dtype, w_out.dtype} != {ct.dtype}:
+        return False
+    (R, H), (E, F, _) = ct.shape, w_out.shape
+    return _native.kernel_fits("cuda", "down_backward", R, H, E, F, ACTIVATION_CODES[activation])
+
+
+def _vjp_kernel(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    """down_vjp_p on the kernel: its gates' gradient comes as partial sums per 256 columns."""
+    R, F = gate_up.shape[0], w_out.shape[1]
+    out_types = (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
+                 jax.ShapeDtypeStruct(((F + 255) // 256, R), jnp.float32),
+                 jax.ShapeDtypeStruct((R, F), gate_up.dtype))
+    d_gate_up, d_w_parts, w_h = jax.ffi.ffi_call(_native.target("down_backward"), out_types)(
+        ct, gate_up, w, w_out, sizes, activation=np.int64(ACTIVATION_CODES[activation]), weighted=np.int64(weighted))
+    return d_gate_up, jnp.sum(d_w_parts, axis=0)[:, None], w_h
+
+
+def _lower_vjp_cuda(ctx, ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    ct_aval, gate_up_aval, _, w_out_aval, _ = ctx.avals_in
+    rule = _lower_vjp_composition
+    if (_compat.lowers_per_device(ctx) and ct_aval.shape[0] > 0
+            and kernel_fits(ct_aval, gate_up_aval, w_out_aval, activation)):
+        rule = _lower_vjp_kernel
+    return rule(ctx, ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
 
 
 def _abstract(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, **params):
@@ -153,3 +188,7 @@ for p, composition, abstract, params in ((down_tangent_p, _tangent_composition, 
     ad.primitive_jvps[p], batching.primitive_batchers[p] = _composition_rules(composition, p.multiple_results)
     _compat.require_devices_at_lowering(p)  # its composition holds our grouped GEMMs
 ad.primitive_transposes[down_tangent_p] = _transpose
+_lower_vjp_composition = mlir.lower_fun(_vjp_composition, multiple_results=True)
+_lower_vjp_kernel = mlir.lower_fun(_vjp_kernel, multiple_results=True)
+if _native.has_target("cuda", "down_backward"):
+    mlir.register_lowering(down_vjp_p, _lower_vjp_cuda, platform="cuda")

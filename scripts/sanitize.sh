@@ -3,8 +3,9 @@
 # every CUDA kernel path on small edge cases: scripts/sanitize_cases.py (permute, unpermute and
 # their backward kernels), scripts/sanitize_gemm_cases.py (the grouped GEMM; sm_90 only),
 # scripts/sanitize_decode_mlp_cases.py (the fused decode MLP; sm_90 only),
-# scripts/sanitize_router_cases.py (route_tokens' fused router; sm_90 only) and
-# scripts/sanitize_gather_gemm_cases.py (the fused gather + first grouped GEMM; sm_90 only).
+# scripts/sanitize_router_cases.py (route_tokens' fused router; sm_90 only),
+# scripts/sanitize_gather_gemm_cases.py (the fused gather + first grouped GEMM; sm_90 only) and
+# scripts/sanitize_down_backward_cases.py (the d lhs GEMM with the activation's backward; sm_90 only).
 # Needs a CUDA GPU and the package installed.
 # Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and every case script; one
 # sanitizer-<cases>-<tool>.log per case script and tool; SANITIZE_TOOLS="memcheck initcheck"
@@ -17,7 +18,7 @@ log_dir="$(mkdir -p "${1:-/tmp}" && cd "${1:-/tmp}" && pwd)"
 shift || true
 cases=("$@")
 [ ${#cases[@]} -gt 0 ] || cases=(sanitize_cases sanitize_gemm_cases sanitize_decode_mlp_cases sanitize_router_cases
-                             sanitize_gather_gemm_cases)
+                             sanitize_gather_gemm_cases sanitize_down_backward_cases)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 status=0
 

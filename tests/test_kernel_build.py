@@ -1,5 +1,5 @@
 """What the compiler makes of our hand-written sm90a wgmma kernels (cpp/gemm/gather_gemm.cu,
-grouped_wgrad.cu), checked where nvcc and CUTLASS's headers are installed, GPU or not: ptxas must
+grouped_wgrad.cu, down_backward.cu), checked where nvcc and CUTLASS's headers are installed, GPU or not: ptxas must
 not serialise their wgmma (it does so silently, with an info line, when a branch splits a batch:
 2-3x slower), nor spill registers. Both are performance defects that every test of results passes."""
 
@@ -12,7 +12,7 @@ import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNITS = ["gather_gemm.cu", "grouped_wgrad.cu"]
+UNITS = ["gather_gemm.cu", "grouped_wgrad.cu", "down_backward.cu"]
 
 
 def cutlass_include():

@@ -229,65 +229,6 @@ def test_package_import_leaves_flax_out():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-# (gates, which tangents are live: gate_up, the gates, w_out); without gates there is no gates' tangent.
-DOWN_CASES = {"all": (True, (True, True, True)), "gate_up": (True, (True, False, False)),
-              "gates": (True, (False, True, False)), "w_out": (True, (False, False, True)),
-              "ungated_all": (False, (True, False, True)), "ungated_w_out": (False, (False, False, True))}
-
-
-@pytest.mark.parametrize("case", DOWN_CASES)
-@pytest.mark.parametrize("activation", ["swiglu", "relu"])
-def test_down_backward_primitive(case, activation):
-    """down_backward's primitive: its value is the plain tangent's, its transpose (the backward in
-    one pass: d gate_up, the gates' gradient, w_out's through w * h) the plain tangent's transpose,
-    with empty groups and rows past the groups' sum; under vmap and differentiated again it runs
-    the composition."""
-    from jax_moe_permute import down_backward
-
-    R, G, H, F = 23, 4, 8, 5
-    width = 2 * F if activation == "swiglu" else F
-    sizes = jnp.array([6, 0, 9, 5], jnp.int32)  # 20 of 23 rows
-    gate_up, w_out = random_float((R, width), jnp.float32), random_float((G, F, H), jnp.float32)
-    weighted, live = DOWN_CASES[case]
-    w = random_float((R, 1), jnp.float32) if weighted else None
-    shapes = [(R, width), (R, 1), (G, F, H)]
-    tangents = [random_float(shape, jnp.float32) if on else None for shape, on in zip(shapes, live)]
-    params = dict(activation=activation, live=live, weighted=weighted)
-    placeholder = lambda a, ndim: jnp.zeros((1,) * ndim) if a is None else a
-
-    def ours(gate_up, *t):
-        d = iter(t)
-        d = [next(d) if on else None for on in live]
-        return down_backward.down_tangent(activation, sizes, w_out, gate_up, d[0], d[2], w, d[1])
-
-    def plain(gate_up, *t):
-        d = iter(t)
-        d = [next(d) if on else placeholder(None, n) for on, n in zip(live, (2, 2, 3))]
-        return down_backward._tangent_composition(d[0], d[1], d[2], gate_up, placeholder(w, 2), w_out, sizes,
-                                                  **params)
-
-    args = [t for t in tangents if t is not None]
-    assert_allclose(jax.jit(ours)(gate_up, *args), jax.jit(plain)(gate_up, *args))
-    ct = random_float((R, H), jnp.float32)
-    backward = lambda f, gu, c: jax.linear_transpose(functools.partial(f, gu), *args)(c)
-    for a, b in zip(jax.jit(functools.partial(backward, ours))(gate_up, ct),
-                    jax.jit(functools.partial(backward, plain))(gate_up, ct)):
-        assert_allclose(a, b, 1e-4)
-    batched = [jnp.stack([a, 2 * a]) for a in args]
-    vmapped = lambda f: jax.jit(jax.vmap(f, in_axes=(None,) + (0,) * len(args)))(gate_up, *batched)
-    assert_allclose(vmapped(ours), vmapped(plain))
-    # The backward vmapped over cotangents, and differentiated again along the cotangent alone (the
-    # backward's primitive's rules) and along gate_up too (the tangent's): each the composition.
-    cts = jnp.stack([ct, -ct])
-    for a, b in zip(*(jax.jit(jax.vmap(functools.partial(backward, f, gate_up)))(cts) for f in (ours, plain))):
-        assert_allclose(a, b, 1e-4)
-    d_gu = random_float(gate_up.shape, jnp.float32)
-    for primals, tangents in (((gate_up, ct), (jnp.zeros_like(gate_up), 2 * ct)), ((gate_up, ct), (d_gu, 2 * ct))):
-        again = lambda f: jax.jvp(functools.partial(backward, f), primals, tangents)[1]
-        for a, b in zip(jax.jit(lambda: again(ours))(), jax.jit(lambda: again(plain))()):
-            assert_allclose(a, b, 1e-4)
-
-
 def test_down_backward_switch_checked(monkeypatch):
     """Any other MOE_DOWN_BACKWARD value is an error naming the variable when the layer's
     derivative is traced."""

@@ -15,6 +15,7 @@ XLA_FFI_Error* MoeMlpDecodeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeStackedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeGatherGemmCuda(XLA_FFI_CallFrame* call_frame);    // ffi_gather_gemm_cuda.cc
 XLA_FFI_Error* MoeGroupedWgradCuda(XLA_FFI_CallFrame* call_frame);  // ffi_grouped_wgrad_cuda.cc
+XLA_FFI_Error* MoeDownBackwardCuda(XLA_FFI_CallFrame* call_frame);  // ffi_down_backward_cuda.cc
 }
 
 namespace moe::gemm {
@@ -27,6 +28,8 @@ int64_t moe_mlp_decode_workspace_bytes(int64_t tokens, int64_t top_k, int64_t ex
                                        int64_t in_cols, int64_t out_cols, int64_t activation);
 // Whether gather_gemm (gather_gemm.h) covers the call; activation as MlpActivation, n the columns of w.
 bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation);
+// Whether down_backward (down_backward.h) covers the call; activation as MlpActivation.
+bool down_backward_fits(int64_t rows, int64_t hidden, int64_t experts, int64_t ffn, int64_t activation);
 // Whether our own weight-gradient kernel (grouped_wgrad.h) covers the call.
 bool grouped_wgrad_fits(int64_t rows, int64_t k, int64_t n, int64_t groups);
 // Whether ragged_dot's weight gradient takes that kernel by default (grouped_wgrad.h).

@@ -17,6 +17,7 @@
 
 #include "cuda_check.h"
 #include "gather_gemm.h"
+#include "row_tiles.cuh"
 #include "sm90_stages.cuh"
 
 namespace moe::gemm {
@@ -24,7 +25,7 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kTileRows = 128;  // A of the stage ring: rows gathered from x
+constexpr int kTileRows = kRowTileRows;  // A of the stage ring: rows gathered from x
 constexpr int kTileCols = 256;  // B: accumulator columns per block tile
 constexpr int kTileK = 64;      // one 128-byte swizzle row of bf16/f16
 constexpr int kMaxExperts = 1024;
@@ -49,16 +50,6 @@ struct Params {
   bool stagger;  // consumer_stagger()
 };
 
-template <class T>
-struct GmmaOp;
-template <>
-struct GmmaOp<__nv_bfloat16> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-template <>
-struct GmmaOp<__half> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float gelu_erf(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
@@ -71,59 +62,9 @@ __device__ __forceinline__ float activate(float v) {
   return v;
 }
 
-// ---- tile schedule -----------------------------------------------------------------------------
-// Tiles run group by group; within a group the row tiles are fastest, then the column tiles, so
-// blocks running at once mostly share one expert's column block of w in L2.
+// ---- tile schedule: row_tiles.cuh ---------------------------------------------------------------
 
-// 32-bit: gather_gemm_fits keeps M and the tile count below 2^31 - 4096.
-struct Tile {
-  int group;
-  int row0, row_end;  // rows [row0, min(row0 + 128, row_end)) of out
-  int col_tile;
-};
-
-__device__ __forceinline__ Tile decode_tile(int tile, const int32_t* group_end, const int32_t* row_tile_end,
-                                            int experts, int col_tiles) {
-  // The first group whose tile range ends after `tile` (empty groups end where the previous did).
-  int lo = 0, hi = experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (row_tile_end[mid] * col_tiles > tile) hi = mid;
-    else lo = mid + 1;
-  }
-  const int g = lo;
-  const int first_row_tile = g == 0 ? 0 : row_tile_end[g - 1];
-  const int group_row_tiles = row_tile_end[g] - first_row_tile;
-  const int in_group = tile - first_row_tile * col_tiles;
-  const int group_start = g == 0 ? 0 : group_end[g - 1];
-  Tile t;
-  t.group = g;
-  t.col_tile = in_group / group_row_tiles;
-  t.row0 = group_start + (in_group - t.col_tile * group_row_tiles) * kTileRows;
-  t.row_end = group_end[g];
-  return t;
-}
-
-// Warp 0: group ends (clamped to M) and the running count of 128-row tiles, into shared memory.
-__device__ void scan_groups(const Params& p, int32_t* group_end, int32_t* row_tile_end) {
-  const int lane = threadIdx.x & 31;
-  int64_t rows_before = 0;
-  int32_t tiles_before = 0;
-  for (int base = 0; base < p.experts; base += 32) {
-    const int g = base + lane;
-    const int64_t size = g < p.experts ? max(p.group_sizes[g], 0) : 0;
-    const int64_t rows_incl = warp_inclusive_sum(size, lane) + rows_before;
-    const int64_t end = min(rows_incl, p.rows), start = min(rows_incl - size, p.rows);
-    const int32_t tiles = int32_t((end - start + kTileRows - 1) / kTileRows);
-    const int32_t tiles_incl = warp_inclusive_sum(tiles, lane) + tiles_before;
-    if (g < p.experts) {
-      group_end[g] = int32_t(end);
-      row_tile_end[g] = tiles_incl;
-    }
-    rows_before = __shfl_sync(0xffffffffu, rows_incl, 31);
-    tiles_before = __shfl_sync(0xffffffffu, tiles_incl, 31);
-  }
-}
+using Tile = RowTile;
 
 // ---- epilogue ----------------------------------------------------------------------------------
 // Rows row_in_tile and row_in_tile + 8 of the tile, from the accumulator (layout in sm90_stages.cuh).
@@ -215,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
   int32_t* row_tile_end = ring.tables<int32_t>(kMaxExperts * 4);
   volatile int32_t* stage_tile = ring.tables<int32_t>(kStageTileOffset);
   volatile int32_t* next_tile = ring.tables<int32_t>(kNextTileOffset);
-  if (threadIdx.x < 32) scan_groups(p, group_end, row_tile_end);
+  if (threadIdx.x < 32) scan_row_tiles(p.group_sizes, p.experts, p.rows, group_end, row_tile_end);
   if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
 
@@ -240,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     for (int i = 0; tile < tiles; ++i) {
       // Dynamic: the tile after this one, asked for now (its latency hides under this tile's loads).
       const int next = kDynamic ? (t == 0 ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : 0) : tile + int(gridDim.x);
-      const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
+      const Tile tl = decode_row_tile(tile, group_end, row_tile_end, experts, col_tiles);
       int32_t token[8];  // -1: padding or an invalid token, zero-filled
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -301,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
-    StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
+    StageConsumer<Mma64x256<T, Major::K, Major::MN>> consume(consumer, p.stagger);
     float acc[128];
     for (int tile = blockIdx.x;; tile += gridDim.x) {
       if constexpr (kDynamic) {  // the tile the producer started at this stage
@@ -309,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
         tile = stage_tile[ring.stage];
       }
       if (tile >= tiles) break;
-      const Tile tl = decode_tile(tile, group_end, row_tile_end, experts, col_tiles);
+      const Tile tl = decode_row_tile(tile, group_end, row_tile_end, experts, col_tiles);
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       // A, K-major: this consumer's 64 rows start 64 x 128 bytes in; +32 bytes per k16 inside the

@@ -66,16 +66,6 @@ struct Params {
   bool stagger;  // consumer_stagger()
 };
 
-template <class T>
-struct GmmaOp;
-template <>
-struct GmmaOp<__nv_bfloat16> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
-};
-template <>
-struct GmmaOp<__half> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::MN>;
-};
 
 // Warp 0: each group's first and end row, clamped to M, into shared memory.
 __device__ void scan_groups(const Params& p, int32_t* group_start, int32_t* group_end) {
@@ -261,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
-    StageConsumer<typename GmmaOp<T>::type> consume(consumer, p.stagger);
+    StageConsumer<Mma64x256<T, Major::MN, Major::MN>> consume(consumer, p.stagger);
     float acc[128];
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const Tile tl = decode_tile(tile, p, group_start, group_end);

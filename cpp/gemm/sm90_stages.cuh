@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
+#include <type_traits>
 #include <string_view>
 #include <utility>
 
@@ -36,6 +37,14 @@ constexpr int kFullArrivals = 128 + 1;
 
 // Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
 constexpr int stage_ring_smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
+
+// wgmma m64n256k16 with f32 accumulators and both operands of T (bf16 or f16) in shared memory,
+// each K-major or MN-major.
+template <class T, cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B>
+using Mma64x256 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>,
+                                     cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<A, B>,
+                                     cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<A, B>>;
+using cute::SM90::GMMA::Major;
 
 // One thread's view of the ring: addresses, and its position (stage, phase), which producer and
 // consumers advance through the same sequence.
@@ -124,7 +133,7 @@ inline int env_choice(const char* name, std::initializer_list<std::string_view> 
 
 // A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
 // wgmma in flight, and releases a stage once its wgmma are done.
-template <class Op>
+template <class Op, bool kBKMajor = false>
 struct StageConsumer {
   int consumer;    // 0 or 1
   bool stagger;    // see consumer_stagger()
@@ -134,8 +143,9 @@ struct StageConsumer {
   __device__ StageConsumer(int consumer_, bool stagger_) : consumer(consumer_), stagger(stagger_) {}
 
   // A: this consumer's 64 rows start a_offset bytes into the stage, a_k16_bytes between k16
-  // steps, a_leading_bytes the descriptor's leading byte offset. B is MN-major: +16 k rows =
-  // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart.
+  // steps, a_leading_bytes the descriptor's leading byte offset. B MN-major: +16 k rows =
+  // 2048 bytes per k16, 64-column boxes 8192 bytes apart (leading), 8-row groups 1024 apart;
+  // K-major (kBKMajor): 256 rows of 64 k, laid out as A's rows.
   // Only the first k16_steps (1-4) of the stage's 4 are issued: the caller skips those that
   // would multiply only zero-filled rows (the same result, less tensor-core time).
   __device__ __forceinline__ void mma(StageRing& ring, float (&acc)[128], uint32_t a_offset, uint32_t a_k16_bytes,
@@ -198,7 +208,8 @@ struct StageConsumer {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const uint64_t desc_a = gmma_desc(a_addr + k * a_k16_bytes, a_leading_bytes, 1024);
-      const uint64_t desc_b = gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
+      // B K-major (rows of 128 bytes, as A): +32 bytes per k16 inside the swizzled row.
+      const uint64_t desc_b = kBKMajor ? gmma_desc(b_addr + k * 32, 16, 1024) : gmma_desc(b_addr + k * 2048, kBoxBytes, 1024);
       gmma_call<Op>(desc_a, desc_b, acc, std::make_index_sequence<128>{});
     }
     cute::warpgroup_commit_batch();

@@ -1,0 +1,269 @@
+// down_backward on sm90a (down_backward.h): g = ct · w_out[g(r)]ᵀ per row in one warp-specialized
+// kernel, the activation's backward in its epilogue.
+//
+// The stage ring of gather_gemm.cu (sm90_stages.cuh): warpgroup 0 produces, one thread loading
+// each stage by TMA (A: 128 rows x 64 of ct, rows in order, so the box may run into the next
+// group's rows: their products land in rows this tile does not store; B: 256 rows of w_out[g]
+// x 64 of H, K-major, read in place), warpgroups 1-2 consume (wgmma m64n256k16, both operands
+// K-major, 64 rows each). Block tile 128 x 256 of g, 4 stages, tiles in the row-tile order of
+// row_tiles.cuh, block b taking tiles b, b + grid, ...
+// Epilogue, per accumulator pair: gate and up (or the pre-activation) loaded 16 bytes a lane and
+// transposed within the quad into the accumulator's layout, the activation and its derivative in
+// f32, one rounding per output, 16-byte stores after the transpose back; the gates' gradient
+// summed over the quad's 256 columns and written once per (row, column tile).
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda_check.h"
+#include "down_backward.h"
+#include "gather_gemm.h"  // gather_gemm_gated
+#include "row_tiles.cuh"
+#include "sm90_stages.cuh"
+
+namespace moe::gemm {
+namespace {
+
+using namespace sm90;
+
+constexpr int kTileRows = kRowTileRows;  // A: rows of ct
+constexpr int kTileCols = 256;           // B: rows of w_out[g], columns of g
+constexpr int kTileK = 64;
+constexpr int kMaxExperts = 1024;
+constexpr int kSmemBytes = stage_ring_smem_bytes(2 * kMaxExperts * 4);
+static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 == kStageBBytes);
+
+struct Params {
+  const void* gate_up;
+  const float* w;  // nullptr: no gates
+  const int32_t* group_sizes;
+  void* d_gate_up;
+  float* d_w;
+  void* w_h;
+  int64_t rows, hidden, experts, ffn;
+  int col_tiles;
+  int activation;
+  int stagger;  // consumer_stagger()
+};
+
+
+// act(v) and act'(v) in f32, the derivatives jax's own rules give.
+template <MlpActivation A>
+__device__ __forceinline__ void activate(float v, float& a, float& da) {
+  if constexpr (A == MlpActivation::kSwiglu) {  // silu
+    const float s = 1.f / (1.f + __expf(-v));
+    a = v * s, da = s * (1.f + v * (1.f - s));
+  } else if constexpr (A == MlpActivation::kGeglu || A == MlpActivation::kGelu) {  // gelu, erf form
+    const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+    a = v * cdf, da = cdf + v * 0.39894228040143268f * __expf(-0.5f * v * v);
+  } else {  // relu
+    a = fmaxf(v, 0.f), da = v > 0.f ? 1.f : 0.f;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  else return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+
+// 8 columns of a row (16 bytes) for lane q, then transposed within the quad: element j is the
+// lane's pair (columns 2q, 2q + 1) of 8-column group j of the 32 loaded by the quad.
+__device__ __forceinline__ void load_pairs(const void* src, bool in, uint32_t (&v)[4]) {
+  const uint4 u = in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+  v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+  const uint4 t = quad_transpose(v);
+  v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+}
+
+// Rows row_in_tile and row_in_tile + 8 of the tile (accumulator layout in sm90_stages.cuh).
+template <class T, bool kGated, MlpActivation A>
+__device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int row_in_tile, const float (&acc)[128]) {
+  const int q = threadIdx.x & 3;
+  const int64_t width = kGated ? 2 * p.ffn : p.ffn;
+  const int f0 = t.col_tile * kTileCols;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = t.row0 + row_in_tile + 8 * half;
+    const bool row_in = row < t.row_end;  // the same for the 4 lanes of a row; all of them shuffle
+    const float wr = p.w == nullptr || !row_in ? 1.f : p.w[row];
+    const T* pre = static_cast<const T*>(p.gate_up) + int64_t(row) * width;
+    T* d_pre = static_cast<T*>(p.d_gate_up) + int64_t(row) * width;
+    T* w_h = static_cast<T*>(p.w_h) + int64_t(row) * p.ffn;
+    float dw = 0.f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {  // 8-column groups 4 m .. 4 m + 3: columns [f0 + 32 m, f0 + 32 m + 32)
+      const int64_t col = f0 + 32 * m + 8 * q;
+      if (f0 + 32 * m >= p.ffn) break;  // F % 64 == 0: whole 32-column blocks are in or out
+      uint32_t gate[4], up[4], d_gate[4], d_up[4], wh[4];
+      load_pairs(pre + col, row_in, gate);
+      if constexpr (kGated) load_pairs(pre + p.ffn + col, row_in, up);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = 4 * (4 * m + j) + 2 * half;
+        const float2 gv = unpack2<T>(gate[j]);
+        const float gx[2] = {gv.x, gv.y}, gf[2] = {acc[i], acc[i + 1]};
+        float ux[2] = {1.f, 1.f};
+        if constexpr (kGated) {
+          const float2 uv = unpack2<T>(up[j]);
+          ux[0] = uv.x, ux[1] = uv.y;
+        }
+        float dgo[2], duo[2], who[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float a, da;
+          activate<A>(gx[e], a, da);
+          const float h = a * ux[e], d = wr * gf[e];
+          dgo[e] = d * ux[e] * da;  // d gate (or d pre)
+          duo[e] = d * a;           // d up
+          who[e] = wr * h;
+          dw += gf[e] * h;
+        }
+        d_gate[j] = pack2<T>(dgo[0], dgo[1]);
+        d_up[j] = pack2<T>(duo[0], duo[1]);
+        wh[j] = pack2<T>(who[0], who[1]);
+      }
+      const uint4 dg = quad_transpose(d_gate), wv = quad_transpose(wh);
+      const uint4 du = kGated ? quad_transpose(d_up) : make_uint4(0, 0, 0, 0);
+      if (row_in) {
+        *reinterpret_cast<uint4*>(d_pre + col) = dg;
+        if constexpr (kGated) *reinterpret_cast<uint4*>(d_pre + p.ffn + col) = du;
+        *reinterpret_cast<uint4*>(w_h + col) = wv;
+      }
+    }
+    dw += __shfl_xor_sync(0xffffffffu, dw, 1);
+    dw += __shfl_xor_sync(0xffffffffu, dw, 2);
+    if (row_in && q == 0) p.d_w[int64_t(t.col_tile) * p.rows + row] = dw;
+  }
+}
+
+// Rows [covered, M) of every output are zeros; spread over the consumer threads of all blocks.
+__device__ void zero_uncovered_rows(const Params& p, int64_t covered, bool gated, int consumer_thread) {
+  const int64_t stride = int64_t(gridDim.x) * 256, first = int64_t(blockIdx.x) * 256 + consumer_thread;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int64_t width = gated ? 2 * p.ffn : p.ffn;  // multiples of 64 elements: whole 16-byte chunks
+  uint4* d_pre = reinterpret_cast<uint4*>(static_cast<char*>(p.d_gate_up) + covered * width * 2);
+  for (int64_t c = first; c < (p.rows - covered) * width / 8; c += stride) d_pre[c] = zero;
+  uint4* w_h = reinterpret_cast<uint4*>(static_cast<char*>(p.w_h) + covered * p.ffn * 2);
+  for (int64_t c = first; c < (p.rows - covered) * p.ffn / 8; c += stride) w_h[c] = zero;
+  for (int64_t c = first; c < (p.rows - covered) * p.col_tiles; c += stride) {
+    const int64_t tile = c / (p.rows - covered), row = covered + c % (p.rows - covered);
+    p.d_w[tile * p.rows + row] = 0.f;
+  }
+}
+
+template <class T, bool kGated>
+__global__ void __launch_bounds__(kThreads, 1)
+    down_backward_kernel(const Params p, const __grid_constant__ CUtensorMap ct_map,
+                         const __grid_constant__ CUtensorMap w_map) {
+  extern __shared__ uint8_t smem_raw[];
+  StageRing ring(smem_raw);
+  int32_t* group_end = ring.tables<int32_t>();
+  int32_t* row_tile_end = ring.tables<int32_t>(kMaxExperts * 4);
+  if (threadIdx.x < 32) scan_row_tiles(p.group_sizes, p.experts, p.rows, group_end, row_tile_end);
+  if (threadIdx.x == 32) ring.init_barriers();
+  __syncthreads();
+
+  const int experts = int(p.experts);
+  const int tiles = row_tile_end[experts - 1] * p.col_tiles;
+  const int k_blocks = int((p.hidden + kTileK - 1) / kTileK);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ---------------- producer ----------------
+    producer_registers();
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        ring.wait_empty();
+        if (threadIdx.x == 0) {
+          // Whole boxes always: TMA zero-fills past M, F and H and counts the bytes all the same.
+          const uint32_t full = ring.full(ring.stage);
+          mbar_arrive_expect_tx(full, kStageABytes + kStageBBytes);
+          tma_load_2d(ring.a(ring.stage), &ct_map, full, kb * kTileK, tl.row0);
+          tma_load_3d(ring.b(ring.stage), &w_map, full, kb * kTileK, tl.col_tile * kTileCols, tl.group);
+          mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
+        }
+        ring.advance();
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    consumer_registers();
+    const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
+    const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
+    StageConsumer<Mma64x256<T, Major::K, Major::K>, true> consume(consumer, p.stagger);
+    float acc[128];
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      // A, K-major: this consumer's 64 rows start 64 x 128 bytes in; +32 bytes per k16.
+      if (tl.row0 + 64 * consumer < tl.row_end) {
+        for (int kb = 0; kb < k_blocks; ++kb) consume.mma(ring, acc, consumer * (64 * 128), 32, 16);
+      } else {  // a group's last tile with at most 64 rows: consumer 1's rows are padding
+        for (int kb = 0; kb < k_blocks; ++kb) consume.skip(ring);
+      }
+      consume.finish(ring, acc);
+      const auto act = MlpActivation(p.activation);
+      if constexpr (kGated) {
+        if (act == MlpActivation::kSwiglu) epilogue<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, acc);
+        else epilogue<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, acc);
+      } else {
+        if (act == MlpActivation::kGelu) epilogue<T, false, MlpActivation::kGelu>(p, tl, row_in_tile, acc);
+        else epilogue<T, false, MlpActivation::kRelu>(p, tl, row_in_tile, acc);
+      }
+    }
+    zero_uncovered_rows(p, group_end[experts - 1], kGated, threadIdx.x - 128);
+  }
+}
+
+template <class T, bool kGated>
+cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
+  CUtensorMap ct_map, w_map;
+  // ct [M, H] in boxes of 64 columns x 128 rows; w_out [E, F, H] in boxes of 64 x 256 rows (K-major B).
+  MOE_CUDA_TRY(encode_boxes(&ct_map, type, a.ct, 2, 1, a.rows, a.hidden, kTileRows, CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
+  MOE_CUDA_TRY(encode_boxes(&w_map, type, a.w_out, 3, a.experts, a.ffn, a.hidden, kTileCols,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
+  Params p;
+  p.gate_up = a.gate_up, p.w = a.w, p.group_sizes = a.group_sizes;
+  p.d_gate_up = a.d_gate_up, p.d_w = a.d_w, p.w_h = a.w_h;
+  p.rows = a.rows, p.hidden = a.hidden, p.experts = a.experts, p.ffn = a.ffn;
+  p.col_tiles = int(down_backward_col_tiles(a.ffn));
+  p.activation = int(a.activation);
+  p.stagger = consumer_stagger();
+  // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
+  const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * p.col_tiles));
+  auto kernel = down_backward_kernel<T, kGated>;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, ct_map, w_map);
+  MOE_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+bool down_backward_fits(int64_t rows, int64_t hidden, int64_t experts, int64_t ffn, int64_t activation) {
+  if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return false;
+  if (ffn <= 0 || ffn % 64 != 0 || hidden <= 0 || hidden % 8 != 0 || experts < 1 || experts > kMaxExperts) return false;
+  // Rows and tile indices are int32 in the kernel, with headroom for a tile's 128 rows and the grid stride.
+  constexpr int64_t kInt32Limit = (int64_t(1) << 31) - 4096;
+  if (rows < 0 || rows >= kInt32Limit || ffn >= kInt32Limit || hidden >= kInt32Limit) return false;
+  return ((rows + 127) / 128 + std::min(experts, rows)) * down_backward_col_tiles(ffn) < kInt32Limit;
+}
+
+cudaError_t down_backward(Dtype dtype, const DownBackwardArgs& a, cudaStream_t stream) {
+  if (!down_backward_fits(a.rows, a.hidden, a.experts, a.ffn, int64_t(a.activation))) return cudaErrorInvalidValue;
+  if (a.rows == 0) return cudaSuccess;
+  const bool gated = gather_gemm_gated(a.activation);
+  if (dtype == Dtype::kBf16)
+    return gated ? launch<__nv_bfloat16, true>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
+                 : launch<__nv_bfloat16, false>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  return gated ? launch<__half, true>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream)
+               : launch<__half, false>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+}
+
+}  // namespace moe::gemm

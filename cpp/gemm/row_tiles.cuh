@@ -1,0 +1,66 @@
+// Row tiles of grouped rows, shared by the kernels whose output rows are grouped by expert
+// (gather_gemm.cu, down_backward.cu): 128-row tiles that never cross a group's end, run group by
+// group; within a group the row tiles are fastest, then the column tiles, so blocks running at
+// once mostly share one expert's column block of its weights in L2.
+#pragma once
+
+#include <cstdint>
+
+#include "sm90_ptx.cuh"  // warp_inclusive_sum
+
+namespace moe::gemm::sm90 {
+
+constexpr int kRowTileRows = 128;
+
+// 32-bit: the kernels' fits rules keep M and the tile count below 2^31 - 4096.
+struct RowTile {
+  int group;
+  int row0, row_end;  // rows [row0, min(row0 + 128, row_end)) of out
+  int col_tile;
+};
+
+__device__ __forceinline__ RowTile decode_row_tile(int tile, const int32_t* group_end, const int32_t* row_tile_end,
+                                                   int experts, int col_tiles) {
+  // The first group whose tile range ends after `tile` (empty groups end where the previous did).
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (row_tile_end[mid] * col_tiles > tile) hi = mid;
+    else lo = mid + 1;
+  }
+  const int g = lo;
+  const int first_row_tile = g == 0 ? 0 : row_tile_end[g - 1];
+  const int group_row_tiles = row_tile_end[g] - first_row_tile;
+  const int in_group = tile - first_row_tile * col_tiles;
+  const int group_start = g == 0 ? 0 : group_end[g - 1];
+  RowTile t;
+  t.group = g;
+  t.col_tile = in_group / group_row_tiles;
+  t.row0 = group_start + (in_group - t.col_tile * group_row_tiles) * kRowTileRows;
+  t.row_end = group_end[g];
+  return t;
+}
+
+// Warp 0: group ends (clamped to M = rows) and the running count of 128-row tiles, into shared memory.
+__device__ inline void scan_row_tiles(const int32_t* group_sizes, int64_t experts, int64_t rows, int32_t* group_end,
+                                      int32_t* row_tile_end) {
+  const int lane = threadIdx.x & 31;
+  int64_t rows_before = 0;
+  int32_t tiles_before = 0;
+  for (int base = 0; base < experts; base += 32) {
+    const int g = base + lane;
+    const int64_t size = g < experts ? max(group_sizes[g], 0) : 0;
+    const int64_t rows_incl = warp_inclusive_sum(size, lane) + rows_before;
+    const int64_t end = min(rows_incl, rows), start = min(rows_incl - size, rows);
+    const int32_t tiles = int32_t((end - start + kRowTileRows - 1) / kRowTileRows);
+    const int32_t tiles_incl = warp_inclusive_sum(tiles, lane) + tiles_before;
+    if (g < experts) {
+      group_end[g] = int32_t(end);
+      row_tile_end[g] = tiles_incl;
+    }
+    rows_before = __shfl_sync(0xffffffffu, rows_incl, 31);
+    tiles_before = __shfl_sync(0xffffffffu, tiles_incl, 31);
+  }
+}
+
+}  // namespace moe::gemm::sm90

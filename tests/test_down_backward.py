@@ -1,0 +1,163 @@
+"""The backward of the layer's second half (jax_moe_permute/down_backward.py): the tangent's
+primitive against the plain tangent (value, transpose, vmap, derivatives of the backward) on every
+backend; on the GPU the d lhs GEMM with the activation's backward in its epilogue
+(cpp/gemm/down_backward.cu) against the float32 `precision=HIGHEST` reference: every activation and
+dtype, with and without gates, groups empty / one row / around the 128-row tile, rows past the
+groups' sum, F around the 256-column tile, the K tail of H, bitwise reproducible; and the layer's
+gradients with MOE_DOWN_BACKWARD=fused against the default to rounding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moe_permute as jmp
+from jax_moe_permute import down_backward, layer
+from conftest import needs_gpu, random_float
+from test_layer import assert_allclose, layer_inputs
+
+ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
+GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+
+
+# (gates, which tangents are live: gate_up, the gates, w_out); without gates there is no gates' tangent.
+DOWN_CASES = {"all": (True, (True, True, True)), "gate_up": (True, (True, False, False)),
+              "gates": (True, (False, True, False)), "w_out": (True, (False, False, True)),
+              "ungated_all": (False, (True, False, True)), "ungated_w_out": (False, (False, False, True))}
+
+
+@pytest.mark.parametrize("case", DOWN_CASES)
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_down_backward_primitive(case, activation):
+    """down_backward's primitive: its value is the plain tangent's, its transpose (the backward in
+    one pass: d gate_up, the gates' gradient, w_out's through w * h) the plain tangent's transpose,
+    with empty groups and rows past the groups' sum; under vmap and differentiated again it runs
+    the composition."""
+    R, G, H, F = 23, 4, 8, 5
+    width = 2 * F if activation == "swiglu" else F
+    sizes = jnp.array([6, 0, 9, 5], jnp.int32)  # 20 of 23 rows
+    gate_up, w_out = random_float((R, width), jnp.float32), random_float((G, F, H), jnp.float32)
+    weighted, live = DOWN_CASES[case]
+    w = random_float((R, 1), jnp.float32) if weighted else None
+    shapes = [(R, width), (R, 1), (G, F, H)]
+    tangents = [random_float(shape, jnp.float32) if on else None for shape, on in zip(shapes, live)]
+    params = dict(activation=activation, live=live, weighted=weighted)
+    placeholder = lambda a, ndim: jnp.zeros((1,) * ndim) if a is None else a
+
+    def ours(gate_up, *t):
+        d = iter(t)
+        d = [next(d) if on else None for on in live]
+        return down_backward.down_tangent(activation, sizes, w_out, gate_up, d[0], d[2], w, d[1])
+
+    def plain(gate_up, *t):
+        d = iter(t)
+        d = [next(d) if on else placeholder(None, n) for on, n in zip(live, (2, 2, 3))]
+        return down_backward._tangent_composition(d[0], d[1], d[2], gate_up, placeholder(w, 2), w_out, sizes,
+                                                  **params)
+
+    args = [t for t in tangents if t is not None]
+    assert_allclose(jax.jit(ours)(gate_up, *args), jax.jit(plain)(gate_up, *args))
+    ct = random_float((R, H), jnp.float32)
+    backward = lambda f, gu, c: jax.linear_transpose(functools.partial(f, gu), *args)(c)
+    for a, b in zip(jax.jit(functools.partial(backward, ours))(gate_up, ct),
+                    jax.jit(functools.partial(backward, plain))(gate_up, ct)):
+        assert_allclose(a, b, 1e-4)
+    batched = [jnp.stack([a, 2 * a]) for a in args]
+    vmapped = lambda f: jax.jit(jax.vmap(f, in_axes=(None,) + (0,) * len(args)))(gate_up, *batched)
+    assert_allclose(vmapped(ours), vmapped(plain))
+    # The backward vmapped over cotangents, and differentiated again along the cotangent alone (the
+    # backward's primitive's rules) and along gate_up too (the tangent's): each the composition.
+    cts = jnp.stack([ct, -ct])
+    for a, b in zip(*(jax.jit(jax.vmap(functools.partial(backward, f, gate_up)))(cts) for f in (ours, plain))):
+        assert_allclose(a, b, 1e-4)
+    d_gu = random_float(gate_up.shape, jnp.float32)
+    for primals, tangents in (((gate_up, ct), (jnp.zeros_like(gate_up), 2 * ct)), ((gate_up, ct), (d_gu, 2 * ct))):
+        again = lambda f: jax.jvp(functools.partial(backward, f), primals, tangents)[1]
+        for a, b in zip(jax.jit(lambda: again(ours))(), jax.jit(lambda: again(plain))()):
+            assert_allclose(a, b, 1e-4)
+
+
+def vjp_reference(ct, gate_up, w, w_out, sizes, activation):
+    """down_vjp_p's results in float32, precision HIGHEST, each row's expert by an explicit group id;
+    rows past the groups' sum are zeros."""
+    ct32, gate_up32, w_out32 = (a.astype(jnp.float32) for a in (ct, gate_up, w_out))
+    sizes = np.clip(np.asarray(sizes), 0, None)
+    R = ct.shape[0]
+    group = np.repeat(np.arange(len(sizes)), sizes)[:R]
+    live = np.zeros((R, 1), bool)
+    live[:len(group)] = True
+    group = np.concatenate([group, np.zeros(R - len(group), int)])
+    g = jnp.einsum("rh,rfh->rf", ct32, w_out32[group], precision=jax.lax.Precision.HIGHEST)
+    g = jnp.where(live, g, 0.0)
+    h, act_vjp = jax.vjp(lambda a: layer.apply_activation(a, activation), gate_up32)
+    w = jnp.ones((R, 1), jnp.float32) if w is None else w
+    d_gate_up = act_vjp(w * g)[0]
+    return d_gate_up, jnp.sum(g * h, axis=-1, keepdims=True), jnp.where(live, w * h, 0.0)
+
+
+def vjp_call(ct, gate_up, w, w_out, sizes, activation):
+    weighted = w is not None
+    w = jnp.zeros((1, 1), jnp.float32) if w is None else w
+    return down_backward.down_vjp_p.bind(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
+
+
+def vjp_problem(dtype, activation, weighted, H=200, F=320):
+    """H: the K tail (200 = 3 x 64 + 8); F: a 256-column tile and a 64-column one; groups empty,
+    of one row and around the 128-row tile; 5 rows past the groups' sum."""
+    sizes = np.array([0, 1, 64, 65, 0, 128, 129, 200, 3], np.int32)
+    R = int(sizes.sum()) + 5
+    width = 2 * F if GATED[activation] else F
+    ct, gate_up = random_float((R, H), dtype), random_float((R, width), dtype, 2.0)
+    w_out = random_float((len(sizes), F, H), dtype, 1.0 / np.sqrt(H))
+    w = random_float((R, 1), jnp.float32) if weighted else None
+    return ct, gate_up, w, w_out, sizes
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_down_vjp_composition(activation, weighted):
+    """down_vjp_p's composition (every backend but the kernel's) against the float32 reference."""
+    ct, gate_up, w, w_out, sizes = vjp_problem(jnp.float32, activation, weighted, H=24, F=40)
+    got = jax.jit(functools.partial(vjp_call, activation=activation))(ct, gate_up, w, w_out, jnp.asarray(sizes))
+    for a, b in zip(got, vjp_reference(ct, gate_up, w, w_out, sizes, activation)):
+        assert_allclose(a, b, 1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_down_backward_kernel(dtype, activation, weighted):
+    ct, gate_up, w, w_out, sizes = vjp_problem(dtype, activation, weighted)
+    if not down_backward.kernel_fits(ct, gate_up, w_out, activation):
+        pytest.skip("the down_backward kernel is not built or this GPU is not sm_90")
+    f = jax.jit(functools.partial(vjp_call, activation=activation))
+    got = f(ct, gate_up, w, w_out, jnp.asarray(sizes))
+    want = vjp_reference(ct, gate_up, w, w_out, sizes, activation)
+    for name, a, b in zip(("d_gate_up", "d_w", "w_h"), got, want):
+        scale = max(float(jnp.abs(b).max()), 1.0)
+        assert a.shape == b.shape, name
+        assert_allclose(a.astype(jnp.float32) / scale, b / scale, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
+    again = f(ct, gate_up, w, w_out, jnp.asarray(sizes))
+    for a, b in zip(got, again):  # bitwise reproducible
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_layer_grads_fused_backward(activation, monkeypatch):
+    """bf16 layer gradients with MOE_DOWN_BACKWARD=fused (the kernel on an sm_90 GPU where it fits,
+    the composition elsewhere) equal the default's to bf16 rounding."""
+    T, E, K, H, F = 96, 4, 2, 64, 128
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation, jnp.bfloat16)
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda x, w, wi, wo: jnp.vdot(jmp.moe_mlp(x, w, ids, wi, wo, activation=activation).astype(jnp.float32),
+                                         ct)
+    grads = {}
+    for mode in down_backward.MODES:
+        monkeypatch.setenv("MOE_DOWN_BACKWARD", mode)
+        grads[mode] = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(x, weights, w_in, w_out)
+    for a, b in zip(grads["fused"], grads["composition"]):
+        scale = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-3)
+        assert_allclose(a.astype(jnp.float32) / scale, b.astype(jnp.float32) / scale, 3e-2)
