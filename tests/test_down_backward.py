@@ -161,3 +161,12 @@ def test_layer_grads_fused_backward(activation, monkeypatch):
     for a, b in zip(grads["fused"], grads["composition"]):
         scale = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-3)
         assert_allclose(a.astype(jnp.float32) / scale, b.astype(jnp.float32) / scale, 3e-2)
+
+
+def test_down_backward_switch_checked(monkeypatch):
+    """Any other MOE_DOWN_BACKWARD value is an error naming the variable when the layer's
+    derivative is traced."""
+    args = layer_inputs(5, 4, 2, 8, 6)
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "kernel")
+    with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD"):
+        jax.grad(lambda x: jnp.sum(jmp.moe_mlp(x, *args[1:])))(args[0])
