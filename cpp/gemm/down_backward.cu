@@ -233,10 +233,9 @@ cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStre
   p.col_tiles = int(down_backward_col_tiles(a.ffn));
   p.activation = int(a.activation);
   p.stagger = consumer_stagger();
-  // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
-  const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * p.col_tiles));
+  // The tile count lives on the device: one block per tile at most (row_tiles_bound).
+  const int64_t tiles_bound = row_tiles_bound(a.rows, a.experts) * p.col_tiles;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles_bound));
   auto kernel = down_backward_kernel<T, kGated>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, ct_map, w_map);
@@ -252,7 +251,7 @@ bool down_backward_fits(int64_t rows, int64_t hidden, int64_t experts, int64_t f
   // Rows and tile indices are int32 in the kernel, with headroom for a tile's 128 rows and the grid stride.
   constexpr int64_t kInt32Limit = (int64_t(1) << 31) - 4096;
   if (rows < 0 || rows >= kInt32Limit || ffn >= kInt32Limit || hidden >= kInt32Limit) return false;
-  return ((rows + 127) / 128 + std::min(experts, rows)) * down_backward_col_tiles(ffn) < kInt32Limit;
+  return row_tiles_bound(rows, experts) * down_backward_col_tiles(ffn) < kInt32Limit;
 }
 
 cudaError_t down_backward(Dtype dtype, const DownBackwardArgs& a, cudaStream_t stream) {

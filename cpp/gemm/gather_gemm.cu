@@ -289,10 +289,10 @@ cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream
   p.activation = int(a.activation);
   p.stagger = consumer_stagger();
   p.tile_counter = a.tile_counter;
-  // The tile count lives on the device; bound it by ceil(M / 128) + min(E, M) row tiles.
+  // The tile count lives on the device: one block per tile at most (row_tiles_bound).
   const int64_t col_tiles = kGated ? p.ffn / 128 : (a.n + kTileCols - 1) / kTileCols;
-  const int64_t row_tiles_bound = (a.rows + kTileRows - 1) / kTileRows + std::min(a.experts, a.rows);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), row_tiles_bound * col_tiles));
+  const int64_t tiles_bound = row_tiles_bound(a.rows, a.experts) * col_tiles;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles_bound));
   const int schedule = env_choice("MOE_GATHER_GEMM_SCHEDULE", {"dynamic", "static"});
   if (schedule < 0) return cudaErrorInvalidValue;
   const bool dynamic = schedule == 0;
@@ -317,7 +317,7 @@ bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t r
   // TMA coordinates are int32; the kernel counts tiles in int32 (bounded as in the launcher).
   if (n >= (int64_t(1) << 31) || hidden >= (int64_t(1) << 31)) return false;
   const int64_t col_tiles = gather_gemm_gated(MlpActivation(activation)) ? ffn / 128 : (n + 255) / 256;
-  return ((rows + 127) / 128 + std::min(experts, rows)) * col_tiles < kInt32Limit;
+  return row_tiles_bound(rows, experts) * col_tiles < kInt32Limit;
 }
 
 cudaError_t gather_gemm(Dtype dtype, const GatherGemmArgs& a, cudaStream_t stream) {

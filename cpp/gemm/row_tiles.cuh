@@ -12,6 +12,12 @@ namespace moe::gemm::sm90 {
 
 constexpr int kRowTileRows = 128;
 
+// At most this many row tiles for M rows in E groups (each group's last tile may be partial): the
+// host's bound on the tile count, which lives on the device.
+inline int64_t row_tiles_bound(int64_t rows, int64_t experts) {
+  return (rows + kRowTileRows - 1) / kRowTileRows + (experts < rows ? experts : rows);
+}
+
 // 32-bit: the kernels' fits rules keep M and the tile count below 2^31 - 4096.
 struct RowTile {
   int group;
