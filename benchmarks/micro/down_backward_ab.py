@@ -12,21 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jax_moe_permute import down_backward, layer, routing
-from jax_moe_permute.bench_layer import MODELS  # name: (E, K, H, F)
+from jax_moe_permute import down_backward, layer
+from jax_moe_permute.bench_layer import MODELS, layer_inputs, layer_route
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 LOG = open(sys.argv[2], "a") if len(sys.argv) > 2 and sys.argv[2] != "-" else sys.stdout
 NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["qwen3"]
 
 for name in NAMES:
-    E, K, H, F = MODELS[name]
-    ks = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(ks[0], (T, H), jnp.bfloat16)
-    w_in = (jax.random.normal(ks[1], (E, H, 2 * F), jnp.float32) * H ** -0.5).astype(jnp.bfloat16)
-    w_out = (jax.random.normal(ks[2], (E, F, H), jnp.float32) * F ** -0.5).astype(jnp.bfloat16)
-    r = routing.route(jax.random.normal(ks[3], (T, E), jnp.float32), K)
-    ct = jax.random.normal(ks[4], (T, H), jnp.float32)
+    K = MODELS[name][1]
+    inputs = layer_inputs(name, T)  # the layer bench's inputs and routing
+    x, w_in, w_out, ct = inputs["x"], inputs["w_in"], inputs["w_out"], inputs["ct"]
+    r = layer_route(x, inputs["router"], K)
     loss = lambda x, w, wi, wo: jnp.vdot(layer.moe_mlp(x, w, r.ids, wi, wo).astype(jnp.float32), ct)
     times, grads = {}, {}
     for mode in down_backward.MODES:  # read when the layer is traced: a fresh jit per mode
