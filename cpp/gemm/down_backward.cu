@@ -7,10 +7,12 @@
 // x 64 of H, K-major, read in place), warpgroups 1-2 consume (wgmma m64n256k16, both operands
 // K-major, 64 rows each). Block tile 128 x 256 of g, 4 stages, tiles in the row-tile order of
 // row_tiles.cuh, block b taking tiles b, b + grid, ...
-// Epilogue, per accumulator pair: gate and up (or the pre-activation) loaded 16 bytes a lane and
-// transposed within the quad into the accumulator's layout, the activation and its derivative in
-// f32, one rounding per output, 16-byte stores after the transpose back; the gates' gradient
-// summed over the quad's 256 columns and written once per (row, column tile).
+// Epilogue: the products rounded to T in pairs (as the unfused GEMM's output), gate and up (or the
+// pre-activation) loaded 16 bytes a lane from L2, where the producer prefetched the tile's rows as
+// it started the tile, and transposed within the quad into the accumulator's layout; the
+// activation and its derivative in f32, one rounding per output, 16-byte stores after the
+// transpose back; the gates' gradient summed over the quad's 256 columns and written once per
+// (row, column tile).
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -67,74 +69,118 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
   else return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
 
-// 8 columns of a row (16 bytes) for lane q, then transposed within the quad: element j is the
-// lane's pair (columns 2q, 2q + 1) of 8-column group j of the 32 loaded by the quad.
-__device__ __forceinline__ void load_pairs(const void* src, bool in, uint32_t (&v)[4]) {
-  const uint4 u = in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-  v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-  const uint4 t = quad_transpose(v);
+// Lane q's 16 bytes (8 columns) of a row, from L2 (the producer prefetched the tile's rows there).
+__device__ __forceinline__ uint4 load_chunk(const void* src, bool in) {
+  if (!in) return make_uint4(0, 0, 0, 0);
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(src)
+               : "memory");  // in program order: a row's loads are not hoisted above the other row's work
+  return v;
+}
+
+// A chunk transposed within the quad: element j is lane q's pair (columns 2q, 2q + 1) of 8-column
+// group j of the 32 columns the quad loaded.
+__device__ __forceinline__ void to_pairs(const uint4& u, uint32_t (&v)[4]) {
+  uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  const uint4 t = quad_transpose(w);
   v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
 }
 
-// Rows row_in_tile and row_in_tile + 8 of the tile (accumulator layout in sm90_stages.cuh).
+// The tile's products rounded to T in pairs, as the unfused composition rounds its GEMM's output:
+// 64 registers instead of 128, which leaves room for a row's loads (below).
+template <class T>
+__device__ __forceinline__ void pack_products(const float (&acc)[128], uint32_t (&g)[64]) {
+#pragma unroll
+  for (int k = 0; k < 64; ++k) g[k] = pack2<T>(acc[2 * k], acc[2 * k + 1]);
+}
+
+// Rows row_in_tile and row_in_tile + 8 of the tile (accumulator layout in sm90_stages.cuh, g[k]
+// holding accumulators 2k and 2k + 1). A batch of 32-column blocks' loads is issued before the
+// first is used: 8 round trips a tile (gate and up: as many as fit beside the products in 168
+// registers) or 2, to L2 (prefetch_epilogue_rows). One round trip per block, from DRAM, measured
+// 0.96x of the unfused composition on the layer.
 template <class T, bool kGated, MlpActivation A>
-__device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int row_in_tile, const float (&acc)[128]) {
+__device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int row_in_tile, const uint32_t (&g)[64]) {
   const int q = threadIdx.x & 3;
   const int64_t width = kGated ? 2 * p.ffn : p.ffn;
   const int f0 = t.col_tile * kTileCols;
+  constexpr int kLoadBatch = kGated ? 2 : 8;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = t.row0 + row_in_tile + 8 * half;
     const bool row_in = row < t.row_end;  // the same for the 4 lanes of a row; all of them shuffle
+    const T* pre = static_cast<const T*>(p.gate_up) + int64_t(row) * width + f0 + 8 * q;
     const float wr = p.w == nullptr || !row_in ? 1.f : p.w[row];
-    const T* pre = static_cast<const T*>(p.gate_up) + int64_t(row) * width;
-    T* d_pre = static_cast<T*>(p.d_gate_up) + int64_t(row) * width;
-    T* w_h = static_cast<T*>(p.w_h) + int64_t(row) * p.ffn;
+    T* d_pre = static_cast<T*>(p.d_gate_up) + int64_t(row) * width + f0 + 8 * q;
+    T* w_h = static_cast<T*>(p.w_h) + int64_t(row) * p.ffn + f0 + 8 * q;
     float dw = 0.f;
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {  // 8-column groups 4 m .. 4 m + 3: columns [f0 + 32 m, f0 + 32 m + 32)
-      const int64_t col = f0 + 32 * m + 8 * q;
-      if (f0 + 32 * m >= p.ffn) break;  // F % 64 == 0: whole 32-column blocks are in or out
-      uint32_t gate[4], up[4], d_gate[4], d_up[4], wh[4];
-      load_pairs(pre + col, row_in, gate);
-      if constexpr (kGated) load_pairs(pre + p.ffn + col, row_in, up);
+    for (int m0 = 0; m0 < 8; m0 += kLoadBatch) {
+      uint4 gate_raw[kLoadBatch], up_raw[kLoadBatch];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = 4 * (4 * m + j) + 2 * half;
-        const float2 gv = unpack2<T>(gate[j]);
-        const float gx[2] = {gv.x, gv.y}, gf[2] = {acc[i], acc[i + 1]};
-        float ux[2] = {1.f, 1.f};
-        if constexpr (kGated) {
-          const float2 uv = unpack2<T>(up[j]);
-          ux[0] = uv.x, ux[1] = uv.y;
-        }
-        float dgo[2], duo[2], who[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float a, da;
-          activate<A>(gx[e], a, da);
-          const float h = a * ux[e], d = wr * gf[e];
-          dgo[e] = d * ux[e] * da;  // d gate (or d pre)
-          duo[e] = d * a;           // d up
-          who[e] = wr * h;
-          dw += gf[e] * h;
-        }
-        d_gate[j] = pack2<T>(dgo[0], dgo[1]);
-        d_up[j] = pack2<T>(duo[0], duo[1]);
-        wh[j] = pack2<T>(who[0], who[1]);
+      for (int b = 0; b < kLoadBatch; ++b) {  // F % 64 == 0: whole 32-column blocks are in or out
+        const bool in = row_in && f0 + 32 * (m0 + b) < p.ffn;
+        gate_raw[b] = load_chunk(pre + 32 * (m0 + b), in);
+        if constexpr (kGated) up_raw[b] = load_chunk(pre + p.ffn + 32 * (m0 + b), in);
       }
-      const uint4 dg = quad_transpose(d_gate), wv = quad_transpose(wh);
-      const uint4 du = kGated ? quad_transpose(d_up) : make_uint4(0, 0, 0, 0);
-      if (row_in) {
-        *reinterpret_cast<uint4*>(d_pre + col) = dg;
-        if constexpr (kGated) *reinterpret_cast<uint4*>(d_pre + p.ffn + col) = du;
-        *reinterpret_cast<uint4*>(w_h + col) = wv;
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        const int m = m0 + b;  // 8-column groups 4 m .. 4 m + 3: columns [f0 + 32 m, f0 + 32 m + 32)
+        if (f0 + 32 * m >= p.ffn) break;
+        uint32_t gate[4], up[4], d_gate[4], d_up[4], wh[4];
+        to_pairs(gate_raw[b], gate);
+        if constexpr (kGated) to_pairs(up_raw[b], up);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 gv = unpack2<T>(gate[j]), prod = unpack2<T>(g[2 * (4 * m + j) + half]);
+          const float gx[2] = {gv.x, gv.y}, gf[2] = {prod.x, prod.y};
+          float ux[2] = {1.f, 1.f};
+          if constexpr (kGated) {
+            const float2 uv = unpack2<T>(up[j]);
+            ux[0] = uv.x, ux[1] = uv.y;
+          }
+          float dgo[2], duo[2], who[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float a, da;
+            activate<A>(gx[e], a, da);
+            const float h = a * ux[e], d = wr * gf[e];
+            dgo[e] = d * ux[e] * da;  // d gate (or d pre)
+            duo[e] = d * a;           // d up
+            who[e] = wr * h;
+            dw += gf[e] * h;
+          }
+          d_gate[j] = pack2<T>(dgo[0], dgo[1]);
+          d_up[j] = pack2<T>(duo[0], duo[1]);
+          wh[j] = pack2<T>(who[0], who[1]);
+        }
+        const uint4 dg = quad_transpose(d_gate), wv = quad_transpose(wh);
+        const uint4 du = kGated ? quad_transpose(d_up) : make_uint4(0, 0, 0, 0);
+        if (row_in) {
+          *reinterpret_cast<uint4*>(d_pre + 32 * m) = dg;
+          if constexpr (kGated) *reinterpret_cast<uint4*>(d_pre + p.ffn + 32 * m) = du;
+          *reinterpret_cast<uint4*>(w_h + 32 * m) = wv;
+        }
       }
     }
     dw += __shfl_xor_sync(0xffffffffu, dw, 1);
     dw += __shfl_xor_sync(0xffffffffu, dw, 2);
     if (row_in && q == 0) p.d_w[int64_t(t.col_tile) * p.rows + row] = dw;
   }
+}
+
+// The producer's thread i, as it starts a tile: row i of the tile's gate (and up) columns into L2,
+// a mainloop before the epilogue reads them.
+template <bool kGated>
+__device__ __forceinline__ void prefetch_epilogue_rows(const Params& p, const RowTile& t, int i) {
+  const int row = t.row0 + i, f0 = t.col_tile * kTileCols;
+  if (row >= t.row_end) return;
+  const uint32_t bytes = uint32_t(min(int64_t(kTileCols), p.ffn - f0)) * 2;  // F % 64 == 0: 128-byte multiples
+  const char* pre = static_cast<const char*>(p.gate_up) + (int64_t(row) * (kGated ? 2 * p.ffn : p.ffn) + f0) * 2;
+  prefetch_l2(pre, bytes);
+  if constexpr (kGated) prefetch_l2(pre + p.ffn * 2, bytes);
 }
 
 // Rows [covered, M) of every output are zeros; spread over the consumer threads of all blocks.
@@ -165,15 +211,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int experts = int(p.experts);
-  const int tiles = row_tile_end[experts - 1] * p.col_tiles;
+  // Read again after each warpgroup's setmaxnreg: a value live across it is spilled.
+  const auto tile_count = [&] { return row_tile_end[experts - 1] * p.col_tiles; };
   const int k_blocks = int((p.hidden + kTileK - 1) / kTileK);
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     producer_registers();
+    const int tiles = tile_count();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
+      prefetch_epilogue_rows<kGated>(p, tl, threadIdx.x);
       for (int kb = 0; kb < k_blocks; ++kb) {
         ring.wait_empty();
         if (threadIdx.x == 0) {
@@ -195,6 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<Mma64x256<T, Major::K, Major::K>, true> consume(consumer, p.stagger);
     float acc[128];
+    const int tiles = tile_count();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
 #pragma unroll
@@ -206,13 +256,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = 0; kb < k_blocks; ++kb) consume.skip(ring);
       }
       consume.finish(ring, acc);
+      uint32_t g[64];
+      pack_products<T>(acc, g);
       const auto act = MlpActivation(p.activation);
       if constexpr (kGated) {
-        if (act == MlpActivation::kSwiglu) epilogue<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, acc);
-        else epilogue<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, acc);
+        if (act == MlpActivation::kSwiglu) epilogue<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, g);
+        else epilogue<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, g);
       } else {
-        if (act == MlpActivation::kGelu) epilogue<T, false, MlpActivation::kGelu>(p, tl, row_in_tile, acc);
-        else epilogue<T, false, MlpActivation::kRelu>(p, tl, row_in_tile, acc);
+        if (act == MlpActivation::kGelu) epilogue<T, false, MlpActivation::kGelu>(p, tl, row_in_tile, g);
+        else epilogue<T, false, MlpActivation::kRelu>(p, tl, row_in_tile, g);
       }
     }
     zero_uncovered_rows(p, group_end[experts - 1], kGated, threadIdx.x - 128);
