@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_moe_permute as jmp
-from jax_moe_permute import down_backward, layer
+from jax_moe_permute import _native, down_backward, layer
 from conftest import needs_gpu, random_float
 from test_layer import assert_allclose, layer_inputs
 
@@ -103,10 +103,10 @@ def vjp_call(ct, gate_up, w, w_out, sizes, activation):
     return down_backward.down_vjp_p.bind(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
 
 
-def vjp_problem(dtype, activation, weighted, H=200, F=320):
+def vjp_problem(dtype, activation, weighted, H=200, F=320, sizes=None):
     """H: the K tail (200 = 3 x 64 + 8); F: a 256-column tile and a 64-column one; groups empty,
     of one row and around the 128-row tile; 5 rows past the groups' sum."""
-    sizes = np.array([0, 1, 64, 65, 0, 128, 129, 200, 3], np.int32)
+    sizes = np.array([0, 1, 64, 65, 0, 128, 129, 200, 3], np.int32) if sizes is None else sizes
     R = int(sizes.sum()) + 5
     width = 2 * F if GATED[activation] else F
     ct, gate_up = random_float((R, H), dtype), random_float((R, width), dtype, 2.0)
@@ -126,13 +126,30 @@ def test_down_vjp_composition(activation, weighted):
 
 
 @needs_gpu
+@pytest.mark.parametrize("epilogue", down_backward.EPILOGUES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("weighted", [True, False])
-def test_down_backward_kernel(dtype, activation, weighted):
-    ct, gate_up, w, w_out, sizes = vjp_problem(dtype, activation, weighted)
+def test_down_backward_kernel(dtype, activation, weighted, epilogue, monkeypatch):
+    check_kernel(vjp_problem(dtype, activation, weighted), activation, epilogue, monkeypatch)
+
+
+@needs_gpu
+@pytest.mark.parametrize("epilogue", down_backward.EPILOGUES)
+def test_down_backward_kernel_many_tiles(epilogue, monkeypatch):
+    """More tiles than SMs (two column tiles of F = 320 over about 180 row tiles): each block runs
+    several, so the epilogue's buffer and its barriers go through their phases."""
+    sizes = np.random.default_rng(3).integers(0, 1500, 24).astype(np.int32)
+    sizes[[2, 9]] = 0
+    check_kernel(vjp_problem(jnp.bfloat16, "swiglu", True, H=72, sizes=sizes), "swiglu", epilogue, monkeypatch)
+
+
+def check_kernel(problem, activation, epilogue, monkeypatch):
+    ct, gate_up, w, w_out, sizes = problem
     if not down_backward.kernel_fits(ct, gate_up, w_out, activation):
         pytest.skip("the down_backward kernel is not built or this GPU is not sm_90")
+    monkeypatch.setenv("MOE_DOWN_BACKWARD_EPILOGUE", epilogue)  # read at every launch
+    dtype = ct.dtype
     f = jax.jit(functools.partial(vjp_call, activation=activation))
     got = f(ct, gate_up, w, w_out, jnp.asarray(sizes))
     want = vjp_reference(ct, gate_up, w, w_out, sizes, activation)
@@ -170,3 +187,16 @@ def test_down_backward_switch_checked(monkeypatch):
     monkeypatch.setenv("MOE_DOWN_BACKWARD", "kernel")
     with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD"):
         jax.grad(lambda x: jnp.sum(jmp.moe_mlp(x, *args[1:])))(args[0])
+
+
+def test_down_backward_epilogue_switch_checked(monkeypatch):
+    """Any other MOE_DOWN_BACKWARD_EPILOGUE value is an error naming the variable when down_vjp_p
+    is lowered for the GPU (jax.export: the CUDA module, no GPU)."""
+    from jax import export
+    if not _native.has_target("cuda", "down_backward"):
+        pytest.skip("the CUDA module with the down_backward kernel is not built")
+    args = vjp_problem(jnp.bfloat16, "swiglu", True, H=64, F=64)
+    monkeypatch.setenv("MOE_DOWN_BACKWARD_EPILOGUE", "producer")
+    f = jax.jit(functools.partial(vjp_call, activation="swiglu"))
+    with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD_EPILOGUE"):
+        export.export(f, platforms=["cuda"])(*args[:4], jnp.asarray(args[4]))
