@@ -88,6 +88,35 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
   else return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
 
+// Two adjacent columns of a row, each pair packed in T: from gate and up (or the pre-activation;
+// up unused) and the product g of the d lhs GEMM, the row's gate wr, the results d gate (or
+// d pre), d up and wr * h; dw accumulates g * h for the gates' gradient.
+template <class T, bool kGated, MlpActivation A>
+__device__ __forceinline__ void backward_pair(uint32_t gate, uint32_t up, uint32_t prod, float wr, float& dw,
+                                              uint32_t& d_gate, uint32_t& d_up, uint32_t& w_h) {
+  const float2 gv = unpack2<T>(gate), pv = unpack2<T>(prod);
+  const float gx[2] = {gv.x, gv.y}, gf[2] = {pv.x, pv.y};
+  float ux[2] = {1.f, 1.f};
+  if constexpr (kGated) {
+    const float2 uv = unpack2<T>(up);
+    ux[0] = uv.x, ux[1] = uv.y;
+  }
+  float dgo[2], duo[2], who[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float a, da;
+    activate<A>(gx[e], a, da);
+    const float h = a * ux[e], d = wr * gf[e];
+    dgo[e] = d * ux[e] * da;  // d gate (or d pre)
+    duo[e] = d * a;           // d up
+    who[e] = wr * h;
+    dw += gf[e] * h;
+  }
+  d_gate = pack2<T>(dgo[0], dgo[1]);
+  d_up = pack2<T>(duo[0], duo[1]);
+  w_h = pack2<T>(who[0], who[1]);
+}
+
 // Lane q's 16 bytes (8 columns) of a row, from L2 (the producer prefetched the tile's rows there).
 __device__ __forceinline__ uint4 load_chunk(const void* src, bool in) {
   if (!in) return make_uint4(0, 0, 0, 0);
@@ -137,7 +166,7 @@ __device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int 
     float dw = 0.f;
 #pragma unroll
     for (int m0 = 0; m0 < 8; m0 += kLoadBatch) {
-      uint4 gate_raw[kLoadBatch], up_raw[kLoadBatch];
+      uint4 gate_raw[kLoadBatch], up_raw[kLoadBatch] = {};
 #pragma unroll
       for (int b = 0; b < kLoadBatch; ++b) {  // F % 64 == 0: whole 32-column blocks are in or out
         const bool in = row_in && f0 + 32 * (m0 + b) < p.ffn;
@@ -148,33 +177,12 @@ __device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int 
       for (int b = 0; b < kLoadBatch; ++b) {
         const int m = m0 + b;  // 8-column groups 4 m .. 4 m + 3: columns [f0 + 32 m, f0 + 32 m + 32)
         if (f0 + 32 * m >= p.ffn) break;
-        uint32_t gate[4], up[4], d_gate[4], d_up[4], wh[4];
+        uint32_t gate[4], up[4] = {}, d_gate[4], d_up[4], wh[4];
         to_pairs(gate_raw[b], gate);
         if constexpr (kGated) to_pairs(up_raw[b], up);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 gv = unpack2<T>(gate[j]), prod = unpack2<T>(g[2 * (4 * m + j) + half]);
-          const float gx[2] = {gv.x, gv.y}, gf[2] = {prod.x, prod.y};
-          float ux[2] = {1.f, 1.f};
-          if constexpr (kGated) {
-            const float2 uv = unpack2<T>(up[j]);
-            ux[0] = uv.x, ux[1] = uv.y;
-          }
-          float dgo[2], duo[2], who[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float a, da;
-            activate<A>(gx[e], a, da);
-            const float h = a * ux[e], d = wr * gf[e];
-            dgo[e] = d * ux[e] * da;  // d gate (or d pre)
-            duo[e] = d * a;           // d up
-            who[e] = wr * h;
-            dw += gf[e] * h;
-          }
-          d_gate[j] = pack2<T>(dgo[0], dgo[1]);
-          d_up[j] = pack2<T>(duo[0], duo[1]);
-          wh[j] = pack2<T>(who[0], who[1]);
-        }
+        for (int j = 0; j < 4; ++j)
+          backward_pair<T, kGated, A>(gate[j], up[j], g[2 * (4 * m + j) + half], wr, dw, d_gate[j], d_up[j], wh[j]);
         const uint4 dg = quad_transpose(d_gate), wv = quad_transpose(wh);
         const uint4 du = kGated ? quad_transpose(d_up) : make_uint4(0, 0, 0, 0);
         if (row_in) {
@@ -227,7 +235,7 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
   const int64_t width = kGated ? 2 * p.ffn : p.ffn;
   const int rows = min(kTileRows, t.row_end - t.row0);
   for (int r0 = warp; r0 < rows; r0 += 3 * kRows) {
-    uint4 gate[kRows], up[kRows], prod[kRows];
+    uint4 gate[kRows], up[kRows] = {}, prod[kRows];
     float wr[kRows];
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
@@ -253,29 +261,7 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
       uint32_t d_gate[4], d_up[4], wh[4];
       float dw = 0.f;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 g2 = unpack2<T>(gv[c]), p2 = unpack2<T>(pv[c]);
-        const float gx[2] = {g2.x, g2.y}, gf[2] = {p2.x, p2.y};
-        float ux[2] = {1.f, 1.f};
-        if constexpr (kGated) {
-          const float2 u2 = unpack2<T>(uv[c]);
-          ux[0] = u2.x, ux[1] = u2.y;
-        }
-        float dgo[2], duo[2], who[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float a, da;
-          activate<A>(gx[e], a, da);
-          const float h = a * ux[e], d = wr[j] * gf[e];
-          dgo[e] = d * ux[e] * da;
-          duo[e] = d * a;
-          who[e] = wr[j] * h;
-          dw += gf[e] * h;
-        }
-        d_gate[c] = pack2<T>(dgo[0], dgo[1]);
-        d_up[c] = pack2<T>(duo[0], duo[1]);
-        wh[c] = pack2<T>(who[0], who[1]);
-      }
+      for (int c = 0; c < 4; ++c) backward_pair<T, kGated, A>(gv[c], uv[c], pv[c], wr[j], dw, d_gate[c], d_up[c], wh[c]);
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) dw += __shfl_xor_sync(0xffffffffu, dw, o);
       if (r >= rows) continue;  // the same for the whole warp
