@@ -3,10 +3,13 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_down_backward_cases.py
 
-Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
+Both epilogues (MOE_DOWN_BACKWARD_EPILOGUE), every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
 around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a
 partial 256-column tile; each result checked against a float64 NumPy reference on the host, so an
 uninitialised read also shows as a mismatch."""
+
+import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +41,8 @@ def reference(ct, gate_up, w, w_out, sizes, activation):
 
 def main():
     key = jax.random.PRNGKey(0)
-    for dtype in (jnp.bfloat16, jnp.float16):
+    for epilogue, dtype in itertools.product(down_backward.EPILOGUES, (jnp.bfloat16, jnp.float16)):
+        os.environ["MOE_DOWN_BACKWARD_EPILOGUE"] = epilogue  # read by the kernel at every launch
         for activation in ACTIVATION_CODES:
             gated = activation in ("swiglu", "geglu")
             for H, F, sizes, extra in CASES:
