@@ -223,9 +223,9 @@ __device__ __forceinline__ void prefetch_epilogue_rows(const Params& p, const Ro
 }
 
 // Epilogue::kWarps: the tile's products staged by the consumers (stage_box: consumer c's rows in
-// four 64-column boxes at c * 32 KB, 128-byte swizzle). Worker w of the 96 takes rows w / 32,
-// + 3, ...; lane l columns [8 l, 8 l + 8): whole 512-byte rows of gate, up and the results, four
-// rows' loads in flight. `unit` is the 16-byte chunk (8 columns) of one row.
+// four 64-column boxes at c * 32 KB, 128-byte swizzle). Warp w of the three takes rows w, w + 3,
+// ...; lane l columns [8 l, 8 l + 8): whole 512-byte rows of gate, up and the results, four rows'
+// loads in flight.
 template <class T, bool kGated, MlpActivation A>
 __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t, uint32_t products, int worker) {
   constexpr int kRows = 4;
@@ -250,7 +250,8 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
                             (((lane % 8) ^ (rr % 8)) << 4);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(prod[j].x), "=r"(prod[j].y), "=r"(prod[j].z), "=r"(prod[j].w)
-                   : "r"(addr));
+                   : "r"(addr)
+                   : "memory");
     }
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
