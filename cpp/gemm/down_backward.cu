@@ -88,6 +88,20 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
   else return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
 
+// f(std::integral_constant<MlpActivation, A>{}) for the launch's activation A (gated or not).
+template <bool kGated, class F>
+__device__ __forceinline__ void with_activation(int activation, F&& f) {
+  using A = MlpActivation;
+  const auto act = A(activation);
+  if constexpr (kGated) {
+    if (act == A::kSwiglu) f(std::integral_constant<A, A::kSwiglu>{});
+    else f(std::integral_constant<A, A::kGeglu>{});
+  } else {
+    if (act == A::kGelu) f(std::integral_constant<A, A::kGelu>{});
+    else f(std::integral_constant<A, A::kRelu>{});
+  }
+}
+
 // Two adjacent columns of a row, each pair packed in T: from gate and up (or the pre-activation;
 // up unused) and the product g of the d lhs GEMM, the row's gate wr, the results d gate (or
 // d pre), d up and wr * h; dw accumulates g * h for the gates' gradient.
@@ -198,18 +212,6 @@ __device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int 
   }
 }
 
-template <class T, bool kGated>
-__device__ __forceinline__ void epilogue(const Params& p, const RowTile& t, int row_in_tile, const uint32_t (&g)[64]) {
-  const auto act = MlpActivation(p.activation);
-  if constexpr (kGated) {
-    if (act == MlpActivation::kSwiglu) epilogue<T, true, MlpActivation::kSwiglu>(p, t, row_in_tile, g);
-    else epilogue<T, true, MlpActivation::kGeglu>(p, t, row_in_tile, g);
-  } else {
-    if (act == MlpActivation::kGelu) epilogue<T, false, MlpActivation::kGelu>(p, t, row_in_tile, g);
-    else epilogue<T, false, MlpActivation::kRelu>(p, t, row_in_tile, g);
-  }
-}
-
 // As the producer starts a tile: row i of the tile's gate (and up) columns into L2, a mainloop
 // before the epilogue reads them.
 template <bool kGated>
@@ -277,18 +279,6 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
   }
 }
 
-template <class T, bool kGated>
-__device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t, uint32_t products, int worker) {
-  const auto act = MlpActivation(p.activation);
-  if constexpr (kGated) {
-    if (act == MlpActivation::kSwiglu) epilogue_rows<T, true, MlpActivation::kSwiglu>(p, t, products, worker);
-    else epilogue_rows<T, true, MlpActivation::kGeglu>(p, t, products, worker);
-  } else {
-    if (act == MlpActivation::kGelu) epilogue_rows<T, false, MlpActivation::kGelu>(p, t, products, worker);
-    else epilogue_rows<T, false, MlpActivation::kRelu>(p, t, products, worker);
-  }
-}
-
 // Rows [covered, M) of every output are zeros; spread over the consumer threads of all blocks.
 __device__ void zero_uncovered_rows(const Params& p, int64_t covered, bool gated, int consumer_thread) {
   const int64_t stride = int64_t(gridDim.x) * 256, first = int64_t(blockIdx.x) * 256 + consumer_thread;
@@ -339,7 +329,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
       mbar_wait(products_full, n & 1);
-      epilogue_rows<T, kGated>(p, tl, products, threadIdx.x - 32);
+      with_activation<kGated>(p.activation, [&](auto a) {
+        epilogue_rows<T, kGated, decltype(a)::value>(p, tl, products, threadIdx.x - 32);
+      });
       mbar_arrive(products_empty);
     }
   } else if (warpgroup == 0) {
@@ -395,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         uint32_t g[64];
         pack_products<T>(acc, g);
-        epilogue<T, kGated>(p, tl, row_in_tile, g);
+        with_activation<kGated>(p.activation, [&](auto a) { epilogue<T, kGated, decltype(a)::value>(p, tl, row_in_tile, g); });
       }
     }
     zero_uncovered_rows(p, group_end[experts - 1], kGated, threadIdx.x - 128);
