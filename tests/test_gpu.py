@@ -162,12 +162,14 @@ def test_decode_step_graph_replay(tokens, flags):
 
 
 # A training step on the hand-written graph-safe kernels (the fused first GEMM, our persistent dW
-# kernel): jit(grad) compiled once, called on new inputs in new buffers, against float32 grads.
+# kernel, the d lhs GEMM with the activation's backward): jit(grad) compiled once, called on new
+# inputs in new buffers, against float32 grads.
 TRAIN_STEP_SCRIPT = textwrap.dedent("""
     import os, re, sys
     kernels, tile = sys.argv[1], sys.argv[2]
     os.environ["MOE_GATHER_GEMM"] = "1" if kernels == "ours" else "0"
     os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = "persistent" if kernels == "ours" else "cutlass"
+    os.environ["MOE_DOWN_BACKWARD"] = "fused" if kernels == "ours" else "composition"
     if tile != "auto":
         os.environ["MOE_GROUPED_GEMM_TILE"] = tile
     import jax, jax.numpy as jnp, numpy as np
@@ -210,15 +212,16 @@ TRAIN_STEP_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("kernels,tile", [("ours", "auto"), ("cutlass", "auto"), ("cutlass", "64x256")])
 def test_train_step_graph_replay(kernels, tile, flags):
     """A jit(grad) of the layer under XLA's command buffers stays right on new inputs in new
-    buffers: on our hand-written kernels (the fused first GEMM, our dW kernel) and on CUTLASS's
-    (both of its forward tiles the layer takes, its dW)."""
+    buffers: on our hand-written kernels (the fused first GEMM, our dW kernel, down_backward) and
+    on CUTLASS's (both of its forward tiles the layer takes, its dW)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + flags).strip()
     out = subprocess.run([sys.executable, "-c", TRAIN_STEP_SCRIPT, kernels, tile], env=env, capture_output=True,
                          text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REPLAYED" in out.stdout
-    targets = (("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90") if kernels == "ours" else
+    targets = (("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90",
+                "jax_moe_permute.down_backward") if kernels == "ours" else
                ("jax_moe_permute.ragged_dot", "jax_moe_permute.ragged_dot_weight_grad"))
     for target in targets:
         assert f"'{target}'" in out.stdout, out.stdout
