@@ -49,6 +49,7 @@ constexpr int kProductsOffset =
     (tables_offset(3) + kProductBarriersOffset + 16 + 1023) / 1024 * 1024 - tables_offset(3);
 constexpr int kProductsBytes = kTileRows * kTileCols * 2;
 constexpr int kEpilogueThreads = 96;  // warps 1-3
+constexpr int kEpilogueWarps = kEpilogueThreads / 32;
 template <Epilogue E>
 constexpr int kSmemBytes = E == Epilogue::kWarps ? stage_ring_smem_bytes(kProductsOffset + kProductsBytes, 3)
                                                  : stage_ring_smem_bytes(kTableBytes);
@@ -236,12 +237,12 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
   const bool col_in = col < p.ffn;
   const int64_t width = kGated ? 2 * p.ffn : p.ffn;
   const int rows = min(kTileRows, t.row_end - t.row0);
-  for (int r0 = warp; r0 < rows; r0 += 3 * kRows) {
+  for (int r0 = warp; r0 < rows; r0 += kEpilogueWarps * kRows) {
     uint4 gate[kRows], up[kRows] = {}, prod[kRows];
     float wr[kRows];
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + 3 * j, row = t.row0 + r;
+      const int r = r0 + kEpilogueWarps * j, row = t.row0 + r;
       const bool in = r < rows && col_in;
       const T* pre = static_cast<const T*>(p.gate_up) + int64_t(row) * width + col;
       gate[j] = load_chunk(pre, in);
@@ -257,7 +258,7 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
     }
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + 3 * j, row = t.row0 + r;
+      const int r = r0 + kEpilogueWarps * j, row = t.row0 + r;
       const uint32_t gv[4] = {gate[j].x, gate[j].y, gate[j].z, gate[j].w};
       const uint32_t uv[4] = {up[j].x, up[j].y, up[j].z, up[j].w};
       const uint32_t pv[4] = {prod[j].x, prod[j].y, prod[j].z, prod[j].w};
