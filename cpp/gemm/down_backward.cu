@@ -89,20 +89,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
   else return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
 
-// f(std::integral_constant<MlpActivation, A>{}) for the launch's activation A (gated or not).
-template <bool kGated, class F>
-__device__ __forceinline__ void with_activation(int activation, F&& f) {
-  using A = MlpActivation;
-  const auto act = A(activation);
-  if constexpr (kGated) {
-    if (act == A::kSwiglu) f(std::integral_constant<A, A::kSwiglu>{});
-    else f(std::integral_constant<A, A::kGeglu>{});
-  } else {
-    if (act == A::kGelu) f(std::integral_constant<A, A::kGelu>{});
-    else f(std::integral_constant<A, A::kRelu>{});
-  }
-}
-
 // Two adjacent columns of a row, each pair packed in T: from gate and up (or the pre-activation;
 // up unused) and the product g of the d lhs GEMM, the row's gate wr, the results d gate (or
 // d pre), d up and wr * h; dw accumulates g * h for the gates' gradient.
@@ -371,15 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tiles = tile_count();
     for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      // A, K-major: this consumer's 64 rows start 64 x 128 bytes in; +32 bytes per k16.
-      if (tl.row0 + 64 * consumer < tl.row_end) {
-        for (int kb = 0; kb < k_blocks; ++kb) consume.mma(ring, acc, consumer * (64 * 128), 32, 16);
-      } else {  // a group's last tile with at most 64 rows: consumer 1's rows are padding
-        for (int kb = 0; kb < k_blocks; ++kb) consume.skip(ring);
-      }
-      consume.finish(ring, acc);
+      consume.row_tile(ring, acc, tl.row0 + 64 * consumer < tl.row_end, k_blocks);
       if constexpr (kWarps) {
         mbar_wait(products_empty, (n & 1) ^ 1);  // the epilogue warps are done with the previous tile
 #pragma unroll

@@ -251,24 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
       }
       if (tile >= tiles) break;
       const Tile tl = decode_row_tile(tile, group_end, row_tile_end, experts, col_tiles);
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      // A, K-major: this consumer's 64 rows start 64 x 128 bytes in; +32 bytes per k16 inside the
-      // swizzled row (leading offset unused: 16).
-      // A group's last tile with at most 64 rows: consumer 1's rows are all padding; it skips its wgmma.
-      if (tl.row0 + 64 * consumer < tl.row_end) {
-        for (int kb = 0; kb < k_blocks; ++kb) consume.mma(ring, acc, consumer * (64 * 128), 32, 16);
-      } else {  // a group's last tile with at most 64 rows: consumer 1's rows are padding
-        for (int kb = 0; kb < k_blocks; ++kb) consume.skip(ring);
-      }
-      consume.finish(ring, acc);
-      if constexpr (kGated) {
-        if (p.activation == int(MlpActivation::kSwiglu)) store_tile<T, true, MlpActivation::kSwiglu>(p, tl, row_in_tile, acc);
-        else store_tile<T, true, MlpActivation::kGeglu>(p, tl, row_in_tile, acc);
-      } else {
-        if (p.activation == int(MlpActivation::kGelu)) store_tile<T, false, MlpActivation::kGelu>(p, tl, row_in_tile, acc);
-        else store_tile<T, false, MlpActivation::kRelu>(p, tl, row_in_tile, acc);
-      }
+      consume.row_tile(ring, acc, tl.row0 + 64 * consumer < tl.row_end, k_blocks);
+      with_activation<kGated>(p.activation, [&](auto a) { store_tile<T, kGated, decltype(a)::value>(p, tl, row_in_tile, acc); });
     }
     zero_uncovered_rows(p, group_end[experts - 1], threadIdx.x - 128);
   }

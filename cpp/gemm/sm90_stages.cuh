@@ -19,6 +19,7 @@
 #include <string_view>
 #include <utility>
 
+#include "moe_mlp_decode.h"  // MlpActivation
 #include "sm90_ptx.cuh"
 
 namespace moe::gemm::sm90 {
@@ -130,6 +131,21 @@ __device__ __forceinline__ void stage_box(uint32_t box, int b, const float (&acc
   }
 }
 
+// f(std::integral_constant<MlpActivation, A>{}) for a launch's activation A, gated or not: the
+// epilogues' dispatch from the runtime code to their compiled forms.
+template <bool kGated, class F>
+__device__ __forceinline__ void with_activation(int activation, F&& f) {
+  using A = MlpActivation;
+  const auto act = A(activation);
+  if constexpr (kGated) {
+    if (act == A::kSwiglu) f(std::integral_constant<A, A::kSwiglu>{});
+    else f(std::integral_constant<A, A::kGeglu>{});
+  } else {
+    if (act == A::kGelu) f(std::integral_constant<A, A::kGelu>{});
+    else f(std::integral_constant<A, A::kRelu>{});
+  }
+}
+
 // 56 x 128 + 224 x 256 = 168 x 384 registers: the consumers hold the accumulators.
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;"); }
@@ -214,6 +230,22 @@ struct StageConsumer {
     mbar_wait(ring.full(ring.stage), ring.phase);
     arrive_empty(ring, ring.stage);
     ring.advance();
+  }
+
+  // One row tile of gather_gemm.cu's and down_backward.cu's layout into acc (zeroed first): A
+  // K-major, this consumer's 64 rows 64 x 128 bytes into the stage, +32 bytes per k16. Where
+  // all of them are padding (rows_in false: a group's last tile with at most 64 rows, consumer
+  // 1) its stages are only waited for and released.
+  template <class Ring>
+  __device__ __forceinline__ void row_tile(Ring& ring, float (&acc)[128], bool rows_in, int k_blocks) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    if (rows_in) {
+      for (int kb = 0; kb < k_blocks; ++kb) mma(ring, acc, consumer * (64 * 128), 32, 16);
+    } else {
+      for (int kb = 0; kb < k_blocks; ++kb) skip(ring);
+    }
+    finish(ring, acc);
   }
 
   // After a tile's last stage: its wgmma done and its stage released; acc holds the tile.
