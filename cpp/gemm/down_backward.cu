@@ -406,21 +406,17 @@ cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStre
 bool down_backward_fits(int64_t rows, int64_t hidden, int64_t experts, int64_t ffn, int64_t activation) {
   if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return false;
   if (ffn <= 0 || ffn % 64 != 0 || hidden <= 0 || hidden % 8 != 0 || experts < 1 || experts > kMaxExperts) return false;
-  // Rows and tile indices are int32 in the kernel, with headroom for a tile's 128 rows and the grid stride.
-  constexpr int64_t kInt32Limit = (int64_t(1) << 31) - 4096;
-  if (rows < 0 || rows >= kInt32Limit || ffn >= kInt32Limit || hidden >= kInt32Limit) return false;
-  return row_tiles_bound(rows, experts) * down_backward_col_tiles(ffn) < kInt32Limit;
+  if (rows < 0 || rows >= kRowTileIndexLimit || ffn >= kRowTileIndexLimit || hidden >= kRowTileIndexLimit) return false;
+  return row_tiles_bound(rows, experts) * down_backward_col_tiles(ffn) < kRowTileIndexLimit;
 }
 
 cudaError_t down_backward(Dtype dtype, const DownBackwardArgs& a, cudaStream_t stream) {
   if (!down_backward_fits(a.rows, a.hidden, a.experts, a.ffn, int64_t(a.activation))) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   const bool gated = gather_gemm_gated(a.activation);
-  if (dtype == Dtype::kBf16)
-    return gated ? launch<__nv_bfloat16, true>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
-                 : launch<__nv_bfloat16, false>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  return gated ? launch<__half, true>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream)
-               : launch<__half, false>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return dispatch_element_gated(dtype, gated, [&](auto element, auto gated_form, CUtensorMapDataType type) {
+    return launch<decltype(element), decltype(gated_form)::value>(a, type, stream);
+  });
 }
 
 }  // namespace moe::gemm

@@ -295,24 +295,20 @@ bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t r
   const int64_t ffn = gather_gemm_gated(MlpActivation(activation)) ? n / 2 : n;
   if (n <= 0 || ffn % 128 != 0 || (gather_gemm_gated(MlpActivation(activation)) && n != 2 * ffn)) return false;
   if (hidden <= 0 || hidden % 8 != 0 || experts < 1 || experts > kMaxExperts) return false;
-  // Rows and tile indices are int32 in the kernel, with headroom for a tile's 128 rows and the grid stride.
-  constexpr int64_t kInt32Limit = (int64_t(1) << 31) - 4096;
-  if (rows < 0 || rows >= kInt32Limit || tokens < 0 || tokens >= (int64_t(1) << 31)) return false;
+  if (rows < 0 || rows >= kRowTileIndexLimit || tokens < 0 || tokens >= (int64_t(1) << 31)) return false;
   // TMA coordinates are int32; the kernel counts tiles in int32 (bounded as in the launcher).
   if (n >= (int64_t(1) << 31) || hidden >= (int64_t(1) << 31)) return false;
   const int64_t col_tiles = gather_gemm_gated(MlpActivation(activation)) ? ffn / 128 : (n + 255) / 256;
-  return row_tiles_bound(rows, experts) * col_tiles < kInt32Limit;
+  return row_tiles_bound(rows, experts) * col_tiles < kRowTileIndexLimit;
 }
 
 cudaError_t gather_gemm(Dtype dtype, const GatherGemmArgs& a, cudaStream_t stream) {
   if (!gather_gemm_fits(a.tokens, a.hidden, a.experts, a.rows, a.n, int64_t(a.activation))) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   const bool gated = gather_gemm_gated(a.activation);
-  if (dtype == Dtype::kBf16)
-    return gated ? launch<__nv_bfloat16, true>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
-                 : launch<__nv_bfloat16, false>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
-  return gated ? launch<__half, true>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream)
-               : launch<__half, false>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return dispatch_element_gated(dtype, gated, [&](auto element, auto gated_form, CUtensorMapDataType type) {
+    return launch<decltype(element), decltype(gated_form)::value>(a, type, stream);
+  });
 }
 
 }  // namespace moe::gemm

@@ -18,7 +18,11 @@ inline int64_t row_tiles_bound(int64_t rows, int64_t experts) {
   return (rows + kRowTileRows - 1) / kRowTileRows + (experts < rows ? experts : rows);
 }
 
-// 32-bit: the kernels' fits rules keep M and the tile count below 2^31 - 4096.
+// Rows and tile indices are int32 in the row-tile kernels, with headroom for a tile's 128 rows and
+// the grid stride: their fits rules keep M and the tile count below this.
+constexpr int64_t kRowTileIndexLimit = (int64_t(1) << 31) - 4096;
+
+// 32-bit: the kernels' fits rules keep M and the tile count below kRowTileIndexLimit.
 struct RowTile {
   int group;
   int row0, row_end;  // rows [row0, min(row0 + 128, row_end)) of out

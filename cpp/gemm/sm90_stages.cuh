@@ -19,6 +19,7 @@
 #include <string_view>
 #include <utility>
 
+#include "grouped_gemm.h"     // Dtype
 #include "moe_mlp_decode.h"  // MlpActivation
 #include "sm90_ptx.cuh"
 
@@ -177,6 +178,17 @@ inline int env_choice(const char* name, std::initializer_list<std::string_view> 
     ++i;
   }
   return -1;
+}
+
+// launch(T{}, std::bool_constant<gated>{}, T's tensor-map type) for a call's element type (bf16 or
+// f16) and gating: the host's dispatch to a kernel's compiled forms.
+template <class Launch>
+cudaError_t dispatch_element_gated(Dtype dtype, bool gated, Launch&& launch) {
+  const auto with = [&](auto element, CUtensorMapDataType type) {
+    return gated ? launch(element, std::true_type{}, type) : launch(element, std::false_type{}, type);
+  };
+  return dtype == Dtype::kBf16 ? with(__nv_bfloat16{}, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+                               : with(__half{}, CU_TENSOR_MAP_DATA_TYPE_FLOAT16);
 }
 
 // A consumer warpgroup's side of the ring: multiplies each full stage into acc, one stage of
