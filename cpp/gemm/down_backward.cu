@@ -234,8 +234,8 @@ __device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t,
       gate[j] = load_chunk(pre, in);
       if constexpr (kGated) up[j] = load_chunk(pre + p.ffn, in);
       wr[j] = p.w == nullptr || r >= rows ? 1.f : p.w[row];
-      const int rr = r % 64;
-      const uint32_t addr = products + (r / 64) * (kProductsBytes / 2) + (lane / 8) * kBoxBytes + rr * 128 +
+      const int rs = min(r, kTileRows - 1), rr = rs % 64;  // rows past the tile's 128: read one in bounds, unused
+      const uint32_t addr = products + (rs / 64) * (kProductsBytes / 2) + (lane / 8) * kBoxBytes + rr * 128 +
                             (((lane % 8) ^ (rr % 8)) << 4);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(prod[j].x), "=r"(prod[j].y), "=r"(prod[j].z), "=r"(prod[j].w)
