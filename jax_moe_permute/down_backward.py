@@ -14,7 +14,6 @@ our grouped GEMMs and XLA's element-wise ops, in float32 from g onwards.
 
 MOE_DOWN_BACKWARD (read when the layer is traced): "composition" (the default) differentiates the
 layer's plain tangent (checkpointed: h and w * h recomputed); "fused" takes this primitive.
-MOE_DOWN_BACKWARD_EPILOGUE picks where the kernel's epilogue runs (EPILOGUES).
 Derivatives of the tangent itself (second order), and vmapped ones, run the plain composition.
 """
 
@@ -34,11 +33,6 @@ from .grouped_gemm import ragged_dot
 from .primitives import placeholder
 
 MODES = ("composition", "fused")
-# Where the kernel's epilogue runs, read by the kernel at every launch (cpp/gemm/down_backward.cu;
-# an A/B switch, checked here so that a typo fails when the call is lowered): "warps", spare warps
-# of the producer warpgroup from the products staged in shared memory, under the next tile's MMA;
-# "consumers", the consumer warpgroups from their registers.
-EPILOGUES = ("warps", "consumers")  # the first is the default
 
 
 def enabled() -> bool:
@@ -138,7 +132,6 @@ def _vjp_kernel(ct, gate_up, w, w_out, sizes, *, activation, weighted):
 
 def _lower_vjp_cuda(ctx, ct, gate_up, w, w_out, sizes, *, activation, weighted):
     ct_aval, gate_up_aval, _, w_out_aval, _ = ctx.avals_in
-    gemm_primitives.env_choice("MOE_DOWN_BACKWARD_EPILOGUE", EPILOGUES)
     rule = _lower_vjp_composition
     if (_compat.lowers_per_device(ctx) and ct_aval.shape[0] > 0
             and kernel_fits(ct_aval, gate_up_aval, w_out_aval, activation)):

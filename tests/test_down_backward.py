@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_moe_permute as jmp
-from jax_moe_permute import _native, down_backward, layer
+from jax_moe_permute import down_backward, layer
 from conftest import needs_gpu, random_float
 from test_layer import assert_allclose, layer_inputs
 
@@ -126,29 +126,26 @@ def test_down_vjp_composition(activation, weighted):
 
 
 @needs_gpu
-@pytest.mark.parametrize("epilogue", down_backward.EPILOGUES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("weighted", [True, False])
-def test_down_backward_kernel(dtype, activation, weighted, epilogue, monkeypatch):
-    check_kernel(vjp_problem(dtype, activation, weighted), activation, epilogue, monkeypatch)
+def test_down_backward_kernel(dtype, activation, weighted):
+    check_kernel(vjp_problem(dtype, activation, weighted), activation)
 
 
 @needs_gpu
-@pytest.mark.parametrize("epilogue", down_backward.EPILOGUES)
-def test_down_backward_kernel_many_tiles(epilogue, monkeypatch):
+def test_down_backward_kernel_many_tiles():
     """More tiles than SMs (two column tiles of F = 320 over about 180 row tiles): each block runs
-    several, so the epilogue's buffer and its barriers go through their phases."""
+    several, so the stage ring goes through many phases and tiles of different experts."""
     sizes = np.random.default_rng(3).integers(0, 1500, 24).astype(np.int32)
     sizes[[2, 9]] = 0
-    check_kernel(vjp_problem(jnp.bfloat16, "swiglu", True, H=72, sizes=sizes), "swiglu", epilogue, monkeypatch)
+    check_kernel(vjp_problem(jnp.bfloat16, "swiglu", True, H=72, sizes=sizes), "swiglu")
 
 
-def check_kernel(problem, activation, epilogue, monkeypatch):
+def check_kernel(problem, activation):
     ct, gate_up, w, w_out, sizes = problem
     if not down_backward.kernel_fits(ct, gate_up, w_out, activation):
         pytest.skip("the down_backward kernel is not built or this GPU is not sm_90")
-    monkeypatch.setenv("MOE_DOWN_BACKWARD_EPILOGUE", epilogue)  # read at every launch
     dtype = ct.dtype
     f = jax.jit(functools.partial(vjp_call, activation=activation))
     got = f(ct, gate_up, w, w_out, jnp.asarray(sizes))
@@ -187,16 +184,3 @@ def test_down_backward_switch_checked(monkeypatch):
     monkeypatch.setenv("MOE_DOWN_BACKWARD", "kernel")
     with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD"):
         jax.grad(lambda x: jnp.sum(jmp.moe_mlp(x, *args[1:])))(args[0])
-
-
-def test_down_backward_epilogue_switch_checked(monkeypatch):
-    """Any other MOE_DOWN_BACKWARD_EPILOGUE value is an error naming the variable when down_vjp_p
-    is lowered for the GPU (jax.export: the CUDA module, no GPU)."""
-    from jax import export
-    if not _native.has_target("cuda", "down_backward"):
-        pytest.skip("the CUDA module with the down_backward kernel is not built")
-    args = vjp_problem(jnp.bfloat16, "swiglu", True, H=64, F=64)
-    monkeypatch.setenv("MOE_DOWN_BACKWARD_EPILOGUE", "producer")
-    f = jax.jit(functools.partial(vjp_call, activation="swiglu"))
-    with pytest.raises(ValueError, match="MOE_DOWN_BACKWARD_EPILOGUE"):
-        export.export(f, platforms=["cuda"])(*args[:4], jnp.asarray(args[4]))

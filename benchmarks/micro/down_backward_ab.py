@@ -47,17 +47,12 @@ def op_alone(name, r, w_out):
                      jnp.max(jnp.abs(b.astype(jnp.float32)))) for a, b in zip(got, want))
     t_comp, t_gemm = device_us(composition, *args), device_us(gemm, ct, w_out, sizes)
     flops = 2 * R * F * H
-    mb = (R * H + 2 * R * 2 * F + R * F) * 2 / 1e6  # ct, gate_up in and out, w * h
-    kernels = []
-    for epilogue in down_backward.EPILOGUES:  # read by the kernel at every launch
-        os.environ["MOE_DOWN_BACKWARD_EPILOGUE"] = epilogue
-        t = device_us(kernel, *args)
-        kernels.append(f"kernel ({epilogue} epilogue) {t:.1f} us (x{t_comp / t:.3f} of the composition, "
-                       f"{flops / t / 1e6:.0f} TFLOP/s)")
-    os.environ.pop("MOE_DOWN_BACKWARD_EPILOGUE")
-    print(f"{name} T={T} down_vjp alone (R {R}, {flops / 1e9:.0f} GFLOP, {mb:.0f} MB): {', '.join(kernels)}; "
+    mb = (R * H + 2 * R * 2 * F + R * F + E * F * H) * 2 / 1e6  # ct, gate_up in and out, w * h, w_out
+    t = device_us(kernel, *args)
+    print(f"{name} T={T} down_vjp alone (R {R}, {flops / 1e9:.0f} GFLOP, {mb:.0f} MB): kernel {t:.1f} us (x{t_comp / t:.3f} of the "
+          f"composition, {flops / t / 1e6:.0f} TFLOP/s); "
           f"composition {t_comp:.1f} us, its d lhs GEMM alone {t_gemm:.1f} us ({flops / t_gemm / 1e6:.0f} TFLOP/s); "
-          f"max rel diff (default epilogue) {diff:.1e}", file=LOG, flush=True)
+          f"max rel diff {diff:.1e}", file=LOG, flush=True)
 
 
 for name in NAMES:
@@ -73,11 +68,6 @@ for name in NAMES:
         g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
         grads[mode] = g(x, r.weights, w_in, w_out)
         times[mode] = device_us(g, x, r.weights, w_in, w_out)
-        if mode == "fused":
-            for epilogue in down_backward.EPILOGUES[1:]:
-                os.environ["MOE_DOWN_BACKWARD_EPILOGUE"] = epilogue
-                times[f"fused ({epilogue} epilogue)"] = device_us(g, x, r.weights, w_in, w_out)
-            os.environ.pop("MOE_DOWN_BACKWARD_EPILOGUE")
     os.environ.pop("MOE_DOWN_BACKWARD")
     base = down_backward.MODES[0]
     diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /

@@ -35,25 +35,7 @@ constexpr int kMaxExperts = 1024;
 constexpr int kTableBytes = 2 * kMaxExperts * 4;
 static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 == kStageBBytes);
 
-// Where the epilogue runs (MOE_DOWN_BACKWARD_EPILOGUE, an A/B switch read at every launch):
-// kWarps: the consumers stage the tile's products in shared memory (64 KB, which takes a stage of
-// the ring: 3 stages) and go on to the next tile's MMA; warps 1-3 of the producer warpgroup run
-// the epilogue from there meanwhile. kConsumers: the consumers run it from their registers, while
-// the tensor cores idle.
-enum class Epilogue { kWarps, kConsumers };
-template <Epilogue E>
-constexpr int kRingStages = E == Epilogue::kWarps ? 3 : kStages;
-// Behind the tables: the products' full and empty barriers, then the products (1024-aligned).
-constexpr int kProductBarriersOffset = kTableBytes;
-constexpr int kProductsOffset =
-    (tables_offset(3) + kProductBarriersOffset + 16 + 1023) / 1024 * 1024 - tables_offset(3);
-constexpr int kProductsBytes = kTileRows * kTileCols * 2;
-constexpr int kEpilogueThreads = 96;  // warps 1-3
-constexpr int kEpilogueWarps = kEpilogueThreads / 32;
-template <Epilogue E>
-constexpr int kSmemBytes = E == Epilogue::kWarps ? stage_ring_smem_bytes(kProductsOffset + kProductsBytes, 3)
-                                                 : stage_ring_smem_bytes(kTableBytes);
-static_assert(kSmemBytes<Epilogue::kWarps> <= 227 * 1024);
+constexpr int kSmemBytes = stage_ring_smem_bytes(kTableBytes);
 
 struct Params {
   const void* gate_up;
@@ -211,61 +193,6 @@ __device__ __forceinline__ void prefetch_epilogue_rows(const Params& p, const Ro
   if constexpr (kGated) prefetch_l2(pre + p.ffn * 2, bytes);
 }
 
-// Epilogue::kWarps: the tile's products staged by the consumers (stage_box: consumer c's rows in
-// four 64-column boxes at c * 32 KB, 128-byte swizzle). Warp w of the three takes rows w, w + 3,
-// ...; lane l columns [8 l, 8 l + 8): whole 512-byte rows of gate, up and the results, four rows'
-// loads in flight.
-template <class T, bool kGated, MlpActivation A>
-__device__ __forceinline__ void epilogue_rows(const Params& p, const RowTile& t, uint32_t products, int worker) {
-  constexpr int kRows = 4;
-  const int lane = worker & 31, warp = worker / 32;
-  const int f0 = t.col_tile * kTileCols, col = f0 + 8 * lane;
-  const bool col_in = col < p.ffn;
-  const int64_t width = kGated ? 2 * p.ffn : p.ffn;
-  const int rows = min(kTileRows, t.row_end - t.row0);
-  for (int r0 = warp; r0 < rows; r0 += kEpilogueWarps * kRows) {
-    uint4 gate[kRows], up[kRows] = {}, prod[kRows];
-    float wr[kRows];
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + kEpilogueWarps * j, row = t.row0 + r;
-      const bool in = r < rows && col_in;
-      const T* pre = static_cast<const T*>(p.gate_up) + int64_t(row) * width + col;
-      gate[j] = load_chunk(pre, in);
-      if constexpr (kGated) up[j] = load_chunk(pre + p.ffn, in);
-      wr[j] = p.w == nullptr || r >= rows ? 1.f : p.w[row];
-      const int rs = min(r, kTileRows - 1), rr = rs % 64;  // rows past the tile's 128: read one in bounds, unused
-      const uint32_t addr = products + (rs / 64) * (kProductsBytes / 2) + (lane / 8) * kBoxBytes + rr * 128 +
-                            (((lane % 8) ^ (rr % 8)) << 4);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(prod[j].x), "=r"(prod[j].y), "=r"(prod[j].z), "=r"(prod[j].w)
-                   : "r"(addr)
-                   : "memory");
-    }
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + kEpilogueWarps * j, row = t.row0 + r;
-      const uint32_t gv[4] = {gate[j].x, gate[j].y, gate[j].z, gate[j].w};
-      const uint32_t uv[4] = {up[j].x, up[j].y, up[j].z, up[j].w};
-      const uint32_t pv[4] = {prod[j].x, prod[j].y, prod[j].z, prod[j].w};
-      uint32_t d_gate[4], d_up[4], wh[4];
-      float dw = 0.f;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) backward_pair<T, kGated, A>(gv[c], uv[c], pv[c], wr[j], dw, d_gate[c], d_up[c], wh[c]);
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) dw += __shfl_xor_sync(0xffffffffu, dw, o);
-      if (r >= rows) continue;  // the same for the whole warp
-      T* d_pre = static_cast<T*>(p.d_gate_up) + int64_t(row) * width + col;
-      if (col_in) {
-        *reinterpret_cast<uint4*>(d_pre) = make_uint4(d_gate[0], d_gate[1], d_gate[2], d_gate[3]);
-        if constexpr (kGated) *reinterpret_cast<uint4*>(d_pre + p.ffn) = make_uint4(d_up[0], d_up[1], d_up[2], d_up[3]);
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.w_h) + int64_t(row) * p.ffn + col) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
-      }
-      if (lane == 0) p.d_w[int64_t(t.col_tile) * p.rows + row] = dw;
-    }
-  }
-}
-
 // Rows [covered, M) of every output are zeros; spread over the consumer threads of all blocks.
 __device__ void zero_uncovered_rows(const Params& p, int64_t covered, bool gated, int consumer_thread) {
   const int64_t stride = int64_t(gridDim.x) * 256, first = int64_t(blockIdx.x) * 256 + consumer_thread;
@@ -281,27 +208,16 @@ __device__ void zero_uncovered_rows(const Params& p, int64_t covered, bool gated
   }
 }
 
-template <class T, bool kGated, Epilogue E>
+template <class T, bool kGated>
 __global__ void __launch_bounds__(kThreads, 1)
     down_backward_kernel(const Params p, const __grid_constant__ CUtensorMap ct_map,
                          const __grid_constant__ CUtensorMap w_map) {
-  constexpr bool kWarps = E == Epilogue::kWarps;
   extern __shared__ uint8_t smem_raw[];
-  StageRingOf<kRingStages<E>> ring(smem_raw);
-  int32_t* group_end = ring.template tables<int32_t>();
-  int32_t* row_tile_end = ring.template tables<int32_t>(kMaxExperts * 4);
-  // kWarps: the staged products' barriers (consumers -> epilogue warps and back) and buffer.
-  const uint32_t products_full = ring.tables_address(kProductBarriersOffset);
-  const uint32_t products_empty = products_full + 8;
-  const uint32_t products = ring.tables_address(kProductsOffset);
+  StageRing ring(smem_raw);
+  int32_t* group_end = ring.tables<int32_t>();
+  int32_t* row_tile_end = ring.tables<int32_t>(kMaxExperts * 4);
   if (threadIdx.x < 32) scan_row_tiles(p.group_sizes, p.experts, p.rows, group_end, row_tile_end);
-  if (threadIdx.x == 32) {
-    if constexpr (kWarps) {
-      mbar_init(products_full, 256);
-      mbar_init(products_empty, kEpilogueThreads);
-    }
-    ring.init_barriers();
-  }
+  if (threadIdx.x == 32) ring.init_barriers();
   __syncthreads();
 
   const int experts = int(p.experts);
@@ -310,29 +226,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_blocks = int((p.hidden + kTileK - 1) / kTileK);
   const int warpgroup = threadIdx.x / 128;
 
-  if (warpgroup == 0 && kWarps && threadIdx.x >= 32) {
-    // ---------------- epilogue warps (kWarps) ----------------
-    const int tiles = tile_count();
-    for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
-      const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
-      mbar_wait(products_full, n & 1);
-      with_activation<kGated>(p.activation, [&](auto a) {
-        epilogue_rows<T, kGated, decltype(a)::value>(p, tl, products, threadIdx.x - 32);
-      });
-      mbar_arrive(products_empty);
-    }
-  } else if (warpgroup == 0) {
+  if (warpgroup == 0) {
     // ---------------- producer ----------------
-    // kWarps keeps 168 registers everywhere (warps 1-3 need theirs; the consumers use 168).
-    if constexpr (!kWarps) producer_registers();
+    producer_registers();
     const int tiles = tile_count();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
-      if constexpr (kWarps) {
-        for (int i = threadIdx.x; i < kTileRows; i += 32) prefetch_epilogue_rows<kGated>(p, tl, i);
-      } else {
-        prefetch_epilogue_rows<kGated>(p, tl, threadIdx.x);
-      }
+      prefetch_epilogue_rows<kGated>(p, tl, threadIdx.x);
       for (int kb = 0; kb < k_blocks; ++kb) {
         ring.wait_empty();
         if (threadIdx.x == 0) {
@@ -348,26 +248,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // ---------------- consumers ----------------
-    if constexpr (!kWarps) consumer_registers();
+    consumer_registers();
     const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
     const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
     const int row_in_tile = 64 * consumer + 16 * warp + lane / 4;
     StageConsumer<Mma64x256<T, Major::K, Major::K>, true> consume(consumer, p.stagger);
     float acc[128];
     const int tiles = tile_count();
-    for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
       consume.row_tile(ring, acc, tl.row0 + 64 * consumer < tl.row_end, k_blocks);
-      if constexpr (kWarps) {
-        mbar_wait(products_empty, (n & 1) ^ 1);  // the epilogue warps are done with the previous tile
-#pragma unroll
-        for (int b = 0; b < 4; ++b) stage_box<T>(products + consumer * (kProductsBytes / 2) + b * kBoxBytes, b, acc);
-        mbar_arrive(products_full);
-      } else {
-        uint32_t g[64];
-        pack_products<T>(acc, g);
-        with_activation<kGated>(p.activation, [&](auto a) { epilogue<T, kGated, decltype(a)::value>(p, tl, row_in_tile, g); });
-      }
+      uint32_t g[64];
+      pack_products<T>(acc, g);
+      with_activation<kGated>(p.activation, [&](auto a) { epilogue<T, kGated, decltype(a)::value>(p, tl, row_in_tile, g); });
     }
     zero_uncovered_rows(p, group_end[experts - 1], kGated, threadIdx.x - 128);
   }
@@ -390,13 +283,9 @@ cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStre
   // The tile count lives on the device: one block per tile at most (row_tiles_bound).
   const int64_t tiles_bound = row_tiles_bound(a.rows, a.experts) * p.col_tiles;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles_bound));
-  const int epilogue = env_choice("MOE_DOWN_BACKWARD_EPILOGUE", {"warps", "consumers"});
-  if (epilogue < 0) return cudaErrorInvalidValue;
-  auto kernel = epilogue == 0 ? down_backward_kernel<T, kGated, Epilogue::kWarps>
-                              : down_backward_kernel<T, kGated, Epilogue::kConsumers>;
-  const int smem = epilogue == 0 ? kSmemBytes<Epilogue::kWarps> : kSmemBytes<Epilogue::kConsumers>;
-  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, ct_map, w_map);
+  auto kernel = down_backward_kernel<T, kGated>;
+  MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, ct_map, w_map);
   MOE_CHECK_LAUNCH();
   return cudaSuccess;
 }

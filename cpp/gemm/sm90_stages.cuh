@@ -1,10 +1,10 @@
 // The stage ring of our warp-specialized sm90a wgmma kernels (gather_gemm.cu, grouped_wgrad.cu,
 // down_backward.cu).
 //
-// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages (3 where a
-// kernel needs the shared memory: StageRingOf) holds A,
-// 128 x 64 (two 8 KiB boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four
-// boxes), with a full barrier (producer -> consumers) and an empty one (consumers -> producer).
+// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages (StageRingOf
+// takes another count, for a kernel that needs the shared memory) holds A, 128 x 64 (two 8 KiB
+// boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four boxes), with a full
+// barrier (producer -> consumers) and an empty one (consumers -> producer).
 // Each consumer multiplies its 64 rows of A by all of B (wgmma m64n256k16, 16 x 4 k steps a stage)
 // into 128 f32 accumulators a thread. A kernel's own tables follow the barriers in shared memory.
 //
