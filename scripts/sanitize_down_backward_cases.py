@@ -3,9 +3,9 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_down_backward_cases.py
 
-Every activation, bf16 and f16, with and without
-gates, empty groups, a one-row group, groups around the 128-row tile, rows past the groups' sum,
-H not a multiple of 64 (the K tail), F with a partial 256-column tile; each result checked against a float64 NumPy reference on the host, so an
+Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
+around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a
+partial 256-column tile; each result checked against a float64 NumPy reference on the host, so an
 uninitialised read also shows as a mismatch."""
 
 import jax
