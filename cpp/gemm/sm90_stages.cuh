@@ -1,10 +1,9 @@
 // The stage ring of our warp-specialized sm90a wgmma kernels (gather_gemm.cu, grouped_wgrad.cu,
 // down_backward.cu).
 //
-// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages (StageRingOf
-// takes another count, for a kernel that needs the shared memory) holds A, 128 x 64 (two 8 KiB
-// boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four boxes), with a full
-// barrier (producer -> consumers) and an empty one (consumers -> producer).
+// 384 threads a block: warpgroup 0 produces, warpgroups 1-2 consume. Each of 4 stages holds A,
+// 128 x 64 (two 8 KiB boxes of 64 x 64 elements in the 128-byte swizzle), and B, 256 x 64 (four
+// boxes), with a full barrier (producer -> consumers) and an empty one (consumers -> producer).
 // Each consumer multiplies its 64 rows of A by all of B (wgmma m64n256k16, 16 x 4 k steps a stage)
 // into 128 f32 accumulators a thread. A kernel's own tables follow the barriers in shared memory.
 //
@@ -31,22 +30,17 @@ constexpr int kBox = 64;                     // elements per 128-byte swizzle ro
 constexpr int kBoxBytes = kBox * 64 * 2;     // 8 KiB: 64 x 64
 constexpr int kStageABytes = 2 * kBoxBytes;  // 128 x 64
 constexpr int kStageBBytes = 4 * kBoxBytes;  // 256 x 64
-// The layout of a ring of S stages: A boxes, B boxes, barriers, then the kernel's tables.
-constexpr int b_offset(int stages) { return stages * kStageABytes; }
-constexpr int barrier_offset(int stages) { return b_offset(stages) + stages * kStageBBytes; }
-constexpr int tables_offset(int stages) { return barrier_offset(stages) + 2 * stages * 8; }
-constexpr int kBOffset = b_offset(kStages);
-constexpr int kBarrierOffset = barrier_offset(kStages);
-constexpr int kTablesOffset = tables_offset(kStages);
+// The ring's layout: A boxes, B boxes, barriers, then the kernel's tables.
+constexpr int kBOffset = kStages * kStageABytes;
+constexpr int kBarrierOffset = kBOffset + kStages * kStageBBytes;
+constexpr int kTablesOffset = kBarrierOffset + 2 * kStages * 8;
 constexpr int kConsumerWarps = 8;
 // One per producer thread (its cp.async landing; a stage without cp.async: thread 0 arrives for
 // all in one) + thread 0's TMA expect-tx.
 constexpr int kFullArrivals = 128 + 1;
 
 // Dynamic shared memory of a kernel whose tables take table_bytes (+ slack to align to 1024).
-constexpr int stage_ring_smem_bytes(int table_bytes, int stages = kStages) {
-  return tables_offset(stages) + table_bytes + 1024;
-}
+constexpr int stage_ring_smem_bytes(int table_bytes) { return kTablesOffset + table_bytes + 1024; }
 
 // wgmma m64n256k16 with f32 accumulators and both operands of T (bf16 or f16) in shared memory,
 // each K-major or MN-major.
@@ -56,32 +50,30 @@ using Mma64x256 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>,
                                      cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<A, B>>;
 using cute::SM90::GMMA::Major;
 
-// One thread's view of a ring of S stages: addresses, and its position (stage, phase), which
-// producer and consumers advance through the same sequence.
-template <int S>
-struct StageRingOf {
+// One thread's view of the ring: addresses, and its position (stage, phase), which producer and
+// consumers advance through the same sequence.
+struct StageRing {
   uint8_t* smem;  // 1024-aligned: the 128-byte swizzle repeats every 1024 bytes of address
   uint32_t base;
   int stage = 0;
   uint32_t phase = 0;
 
-  __device__ explicit StageRingOf(uint8_t* raw)
+  __device__ explicit StageRing(uint8_t* raw)
       : smem(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))),
         base(smem_u32(smem)) {}
 
   __device__ uint32_t a(int s) const { return base + s * kStageABytes; }
-  __device__ uint32_t b(int s) const { return base + b_offset(S) + s * kStageBBytes; }
-  __device__ uint32_t full(int s) const { return base + barrier_offset(S) + 8 * s; }
-  __device__ uint32_t empty(int s) const { return base + barrier_offset(S) + 8 * (S + s); }
+  __device__ uint32_t b(int s) const { return base + kBOffset + s * kStageBBytes; }
+  __device__ uint32_t full(int s) const { return base + kBarrierOffset + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + kBarrierOffset + 8 * (kStages + s); }
   template <class U>
   __device__ U* tables(int byte_offset = 0) const {
-    return reinterpret_cast<U*>(smem + tables_offset(S) + byte_offset);
+    return reinterpret_cast<U*>(smem + kTablesOffset + byte_offset);
   }
-  __device__ uint32_t tables_address(int byte_offset = 0) const { return base + tables_offset(S) + byte_offset; }
 
   // One thread, before the block's first __syncthreads.
   __device__ void init_barriers() const {
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), kFullArrivals);
       mbar_init(empty(s), kConsumerWarps);
     }
@@ -92,10 +84,9 @@ struct StageRingOf {
   // Producer: until the consumers have released the current stage.
   __device__ void wait_empty() const { mbar_wait(empty(stage), phase ^ 1); }
   __device__ void advance() {
-    if (++stage == S) stage = 0, phase ^= 1;
+    if (++stage == kStages) stage = 0, phase ^= 1;
   }
 };
-using StageRing = StageRingOf<kStages>;
 
 // Columns [32 m + 8 q, 32 m + 8 q + 8) of accumulator row 16 wi + l / 4 + 8 half, rounded to T:
 // one 16-byte chunk for lane q = l % 4 (the quad's column groups 4 m .. 4 m + 3 transposed).
@@ -109,27 +100,6 @@ __device__ __forceinline__ uint4 accumulator_chunk(const float (&acc)[128], int 
     v[j] = pack2<T>(acc[i], acc[i + 1]);
   }
   return quad_transpose(v);
-}
-
-// One box of the consumer's 64 rows, columns [64 b, 64 b + 64), rounded to T into `box`: TMA's
-// 128-byte swizzle (row r's 16-byte chunk c at r * 128 + ((c ^ r % 8) * 16)). Each 8 x 8 block of
-// the accumulator (an 8-column group, one half of a warp's 16 rows) is one stmatrix matrix whose
-// rows are 16-byte chunks of the box: 4 stores a thread and box, no shuffles (quad_transpose's
-// shuffles and selects were half the epilogue's instructions: 6% on Qwen3's dW).
-template <class T>
-__device__ __forceinline__ void stage_box(uint32_t box, int b, const float (&acc)[128]) {
-  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
-  const int matrix = lane / 8, r = lane % 8;
-  // Matrix j of each store: column group c + j / 2, rows 8 (j % 2) + [0, 8) of the warp's 16.
-  const uint32_t row = 16 * warp + 8 * (matrix & 1) + r;  // row % 8 == r
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const int c = 8 * b + 2 * p;  // column groups c and c + 1: accumulator values 4 c .. 4 c + 7
-    const uint32_t chunk = 2 * p + (matrix >> 1);
-    stmatrix_x4(box + row * 128 + ((chunk ^ r) << 4), pack2<T>(acc[4 * c], acc[4 * c + 1]),
-                pack2<T>(acc[4 * c + 2], acc[4 * c + 3]), pack2<T>(acc[4 * c + 4], acc[4 * c + 5]),
-                pack2<T>(acc[4 * c + 6], acc[4 * c + 7]));
-  }
 }
 
 // f(std::integral_constant<MlpActivation, A>{}) for a launch's activation A, gated or not: the
