@@ -2,8 +2,10 @@
 
     compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_decode_mlp_cases.py
 
-Every activation, bf16 and f16, ids past the experts, -1 and repeated, several splits of H and F,
-a strip past the last column, many pairs per expert (the kernels forced), and the stacked form
+Both forms of the kernels (JAX_MOE_PERMUTE_DECODE_MLP=split, slices), every activation, bf16 and
+f16, ids past the experts, -1 and repeated, several splits of H and F, a strip past the last
+column, more output strips than a block's warps and a partial slice of F, many pairs per expert
+(the kernels forced), and the stacked form
 (weights stacked over 3 layers, the layer read on the device: the last one as 2, as -1 and as 7,
 which clamps); each result checked against a float64 NumPy reference on the host, so an
 uninitialised read also shows as a mismatch."""
@@ -22,7 +24,9 @@ CASES = [  # (T, E, K, H, F)
     (1, 16, 4, 264, 40),   # H and 2F not multiples of 256
     (2, 8, 2, 1024, 520),  # split H and F
     (5, 3, 2, 64, 16),     # more pairs than experts
+    (1, 8, 2, 2056, 136),  # 9 output strips, a partial slice of F
 ]
+FORMS = ("split", "slices")
 
 
 def reference(x, w, ids, w_in, w_out, activation):
@@ -47,7 +51,8 @@ def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUDA module"
     os.environ["MOE_GROUPED_GEMM_TILE"] = "decode"  # the fused kernels for every case
     key = jax.random.PRNGKey(0)
-    for dtype in (jnp.bfloat16, jnp.float16):
+    for form, dtype in ((form, dtype) for form in FORMS for dtype in (jnp.bfloat16, jnp.float16)):
+        os.environ["JAX_MOE_PERMUTE_DECODE_MLP"] = form  # read at launch; every case traces afresh
         for activation in decode_mlp.ACTIVATION_CODES:
             width = 2 if activation in ("swiglu", "geglu") else 1
             for T, E, K, H, F in CASES:
@@ -65,7 +70,7 @@ def main():
                 out = np.asarray(f(x, w, jnp.asarray(ids), w_in, w_out), np.float64)
                 ref = reference(x, w, ids, w_in, w_out, activation)
                 tol = 3e-2 * max(1.0, float(np.abs(ref).max()))
-                assert np.abs(out - ref).max() <= tol, (dtype, activation, T, E, K, H, F)
+                assert np.abs(out - ref).max() <= tol, (form, dtype, activation, T, E, K, H, F)
             # The stacked form on the first case: layer 2 of 3, as 2, -1 (from the end) and 7 (clamped).
             T, E, K, H, F = CASES[0]
             k1, k2, k3, k4, k5, key = jax.random.split(key, 6)
@@ -80,7 +85,7 @@ def main():
             tol = 3e-2 * max(1.0, float(np.abs(ref).max()))
             for layer in (2, -1, 7):
                 out = np.asarray(f(x, w, jnp.asarray(ids), stack_in, stack_out, layer), np.float64)
-                assert np.abs(out - ref).max() <= tol, (dtype, activation, "stacked", layer)
+                assert np.abs(out - ref).max() <= tol, (form, dtype, activation, "stacked", layer)
     print("SANITIZE DECODE MLP CASES DONE")
 
 

@@ -2,7 +2,9 @@
 every backend (its unfused lowering on CPU), its batching and JVP; on the GPU the fused kernels
 themselves, chosen by moe_mlp for decode-sized calls: every activation and dtype, invalid and
 repeated ids, expert_map, Mixtral's long F rows, forced on shapes the rule would not pick,
-bitwise reproducible, equal to the unfused path to rounding, gradients through the JVP rule."""
+bitwise reproducible, equal to the unfused path to rounding, gradients through the JVP rule; each
+in both of the kernels' forms (the split form and the slice form, forced by the launch's switch
+JAX_MOE_PERMUTE_DECODE_MLP), and the slice form at every cluster size."""
 
 import functools
 
@@ -18,6 +20,14 @@ from test_layer import assert_allclose, dense_moe, layer_inputs
 
 ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
 FUSED_TARGET = "jax_moe_permute.moe_mlp_decode"
+FORMS = ["split", "slices"]  # the kernels' two forms (cpp/gemm/moe_mlp_decode.cu)
+
+
+@pytest.fixture(params=FORMS)
+def form(request, monkeypatch):
+    """Forces one form of the fused kernels (read at every launch: each test traces afresh)."""
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_MLP", request.param)
+    return request.param
 
 
 def with_bad_ids(ids, E):
@@ -89,8 +99,9 @@ def lowered_text(f, *args):
     (1, 128, 8, 2048, 768),  # Qwen3-30B-A3B at T = 1
     (4, 64, 4, 264, 48),     # T * K = 16 = E / 4: the rule's edge; H not a multiple of 256
     (1, 16, 1, 8, 8),        # one pair, H = 8
+    (1, 32, 4, 2056, 136),   # 9 strips of output columns (more than a block's warps), a partial F slice
 ])
-def test_fused_matches_dense(dtype, activation, T, E, K, H, F):
+def test_fused_matches_dense(dtype, activation, T, E, K, H, F, form):
     x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F, activation, dtype)
     ids = with_bad_ids(ids, E)
     f = fused_call(activation)
@@ -104,7 +115,7 @@ def test_fused_matches_dense(dtype, activation, T, E, K, H, F):
 
 
 @needs_gpu
-def test_fused_long_rows_and_unfused_agree(monkeypatch):
+def test_fused_long_rows_and_unfused_agree(monkeypatch, form):
     """Mixtral's decode shape (F = 14336: more than one shared-memory range of F rows per block)
     against the unfused path (a CUTLASS tile forced) to rounding."""
     T, E, K, H, F = 1, 8, 2, 4096, 14336
@@ -122,7 +133,7 @@ def test_fused_long_rows_and_unfused_agree(monkeypatch):
 
 @needs_gpu
 @pytest.mark.parametrize("T,E,K", [(5, 1, 1), (7, 3, 2), (33, 16, 8)])
-def test_fused_forced(T, E, K, monkeypatch):
+def test_fused_forced(T, E, K, monkeypatch, form):
     """MOE_GROUPED_GEMM_TILE=decode takes the fused kernels past the rule: E = 1, many pairs per expert."""
     monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "decode")
     x, w, ids, w_in, w_out = decode_inputs(T, E, K, 64, 40)
@@ -138,7 +149,7 @@ def test_fused_forced(T, E, K, monkeypatch):
     (2, 300, 300, 16, 8),  # K past one block of staged gates (256): the last block's sum in two chunks
     (1, 8, 2, 8200, 16),   # H past one shared-memory slice of x (8192 rows): at least two splits of H
 ])
-def test_fused_many_pairs_and_long_x(T, E, K, H, F, monkeypatch):
+def test_fused_many_pairs_and_long_x(T, E, K, H, F, monkeypatch, form):
     monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", "decode")
     x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
     ids = with_bad_ids(ids, E)
@@ -146,6 +157,27 @@ def test_fused_many_pairs_and_long_x(T, E, K, H, F, monkeypatch):
     assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
     f32 = lambda a: a.astype(jnp.float32)
     assert_close_to(f(x, w, ids, w_in, w_out), dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_slice_form_cluster_sizes(cluster, monkeypatch):
+    """The slice form with each cluster size (H split over 1-8 blocks, a cluster's w_out rows
+    shared among them): the dense reference, the split form to rounding, and bitwise repeatable."""
+    T, E, K, H, F = 2, 32, 4, 2056, 200
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    ids = with_bad_ids(ids, E)
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_MLP", "split")
+    split = fused_call()(x, w, ids, w_in, w_out)
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_MLP", "slices")
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_CLUSTER", str(cluster))
+    f = fused_call()
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
+    got = f(x, w, ids, w_in, w_out)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert_close_to(got, dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+    assert_close_to(got, split, 2e-2)
+    np.testing.assert_array_equal(np.asarray(f(x, w, ids, w_in, w_out), np.float32), np.asarray(got, np.float32))
 
 
 @needs_gpu

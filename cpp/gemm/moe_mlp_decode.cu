@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <cooperative_groups.h>
+
 #include "decode_common.cuh"
 #include "moe_mlp_decode.h"
 
@@ -88,37 +90,39 @@ __device__ __forceinline__ float activate(float g) {
 
 constexpr bool gated(MlpActivation a) { return a == MlpActivation::kSwiglu || a == MlpActivation::kGeglu; }
 
-// One warp's rows of a block's strip of w: rows k_begin + warp, + kWarps, ... below k_end, kBatch
-// rows a step. A block issues its first step before its prologue (staging x, or the activations),
-// so that the weight read starts at once, and each step's loads before the previous step's
-// multiplies: two steps, 16 loads a thread, in flight.
-template <class E>
+// Rows of a block's strip of w, kBatch rows a step. kWarpRows: warp w takes rows k_begin + w,
+// + kWarps, ... below k_end (the warps split the rows, and their sums are added afterwards);
+// otherwise each warp takes every row (its own strip). A block issues its first step before its
+// prologue (staging x, or the activations), so that the weight read starts at once, and each
+// step's loads before the previous step's multiplies: two steps, 16 loads a thread, in flight.
+template <class E, bool kWarpRows = true>
 struct WeightRows {
   const E* __restrict__ w;
   int64_t n, k_begin, k_end, col;
   bool col_ok;
 
+  static constexpr int kRowStride = kWarpRows ? kWarps : 1;
+  __device__ __forceinline__ static int first_row() { return kWarpRows ? int(threadIdx.x / 32) : 0; }
+
   __device__ __forceinline__ void load(int64_t k0, uint4 (&wv)[kBatch]) const {
-    const int warp = threadIdx.x / 32;
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int64_t k = k0 + u * kWarps + warp;
+      const int64_t k = k0 + u * kRowStride + first_row();
       wv[u] = col_ok && k < k_end ? load_stream(w + k * n + col) : make_uint4(0, 0, 0, 0);
     }
   }
 
-  // acc[c] += v(k) * w[k, col + c] over the warp's rows; wv holds the first step's loads.
+  // acc[c] += v(k) * w[k, col + c] over the thread's rows; wv holds the first step's loads.
   template <class V>
   __device__ __forceinline__ void multiply(V v, uint4 (&wv)[kBatch], float (&acc)[kVec]) const {
-    const int warp = threadIdx.x / 32;
-    constexpr int64_t kStep = kBatch * kWarps;
+    constexpr int64_t kStep = kBatch * kRowStride;
 #pragma unroll 1
     for (int64_t k0 = k_begin; k0 < k_end; k0 += kStep) {
       uint4 next[kBatch];
       load(k0 + kStep, next);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const int64_t k = k0 + u * kWarps + warp;
+        const int64_t k = k0 + u * kRowStride + first_row();
         const float vk = k < k_end ? v(k) : 0.0f;
         float wf[kVec];
         to_float8<E>(wv[u], wf);
@@ -273,6 +277,189 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
   if (col_ok) static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
 }
 
+// ---- The slice form: one cluster per (pair, slice of F), then a sum launch -------------------
+//
+// The split form above waits, between its launches, for every block of launch 1: launch 2's blocks
+// start as launch 1's retire and stream only 192 rows each (Qwen3) between that wait and the
+// cross-block sum (design-notes, "The decode MLP's two forms"). Here a thread-block cluster takes a
+// pair p and a slice of F (128 gate and 128 up columns of w_in, or 256 columns ungated): its C
+// blocks split H, add their sums of the slice in distributed shared memory, apply the activation
+// and go on to the slice's rows of w_out (each block a share of them, every output column), then
+// add their output sums in distributed shared memory and write one float32 partial [P, R, H'] per
+// cluster. No block waits for another cluster: a cluster's w_out rows follow its own w_in rows.
+// A second, dependent launch adds the partials of each token in a fixed order (no counters).
+
+constexpr int kMaxCluster = 8;        // portable cluster size
+constexpr int kMaxSliceRows = 8192;   // H rows per block (its slice of x in shared memory)
+constexpr int kMaxSliceOut = 8192;    // H' (a block's output sums in shared memory)
+constexpr int kSumCols = 64;          // output columns per block of the sum launch
+constexpr int kSumGroups = kThreads / kSumCols;  // threads adding one column, each a share of the K pairs
+
+struct SlicePlan {
+  int64_t pairs = 0, slices = 0, slice_ffn = 0;  // P, R slices of slice_ffn F columns each
+  int cluster = 1;
+  int64_t rows_per_block = 0, down_rows_per_block = 0, out_strips = 0;
+  int64_t partials_bytes = 0;
+  size_t shared_bytes = 0;
+};
+
+SlicePlan slice_plan_of(const MoeMlpDecodeArgs& a, int forced_cluster) {
+  SlicePlan p;
+  p.pairs = a.tokens * a.top_k;
+  p.slice_ffn = gated(a.activation) ? kStrip / 2 : kStrip;
+  p.slices = ceil_div(a.ffn, p.slice_ffn);
+  const int64_t units = std::max<int64_t>(1, p.pairs * p.slices);
+  int c = forced_cluster;
+  if (c <= 0) {  // the largest power of two that keeps the grid within one wave of resident blocks
+    c = 1;
+    while (2 * c <= kMaxCluster && units * 2 * c <= int64_t(kBlocksPerSm) * sm_count()) c *= 2;
+  }
+  // Fewer blocks than H rows of 16 bytes, and each block's x slice within shared memory.
+  c = int(std::clamp<int64_t>(c, ceil_div(a.hidden, kMaxSliceRows), std::max<int64_t>(1, a.hidden / kVec)));
+  p.cluster = std::min(c, kMaxCluster);
+  p.rows_per_block = round_up(ceil_div(a.hidden, p.cluster), kVec);
+  p.down_rows_per_block = ceil_div(p.slice_ffn, p.cluster);
+  p.out_strips = ceil_div(a.out_cols, kStrip);
+  p.partials_bytes = align256(p.pairs * p.slices * a.out_cols * int64_t(sizeof(float)));
+  p.shared_bytes = sizeof(float) * (kWarps * kStrip + 3 * kStrip + p.out_strips * kStrip) +
+                   sizeof(uint16_t) * p.rows_per_block;
+  return p;
+}
+
+bool slice_form_fits(const MoeMlpDecodeArgs& a, const SlicePlan& p) {
+  return a.ffn % kVec == 0 && a.out_cols <= kMaxSliceOut && p.rows_per_block <= kMaxSliceRows &&
+         p.cluster <= kMaxCluster && p.pairs <= 65535 && p.slices * p.cluster <= INT32_MAX && a.tokens <= 65535;
+}
+
+// Dynamic shared memory of a slice block, in that order: the warps' sums, the block's sums of the
+// slice's w_in columns (read by the cluster), their cluster totals, the activations, the block's
+// output sums (read by the cluster), its rows of x.
+struct SliceShared {
+  float (*red)[kWarps][kStrip];
+  float* part;  // [kStrip]
+  float* total; // [kStrip]
+  float* h;     // [kStrip]
+  float* outs;  // [out_strips * kStrip]
+  void* xs;     // [rows_per_block] elements
+
+  __device__ SliceShared(char* base, const SlicePlan& p) {
+    red = reinterpret_cast<float(*)[kWarps][kStrip]>(base);
+    part = reinterpret_cast<float*>(base) + kWarps * kStrip;
+    total = part + kStrip;
+    h = total + kStrip;
+    outs = h + kStrip;
+    xs = outs + p.out_strips * kStrip;
+  }
+};
+
+template <class E, MlpActivation A>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) slice_kernel(MoeMlpDecodeArgs a, SlicePlan plan) {
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) char shared[];
+  const SliceShared sm(shared, plan);
+  E* xs = static_cast<E*>(sm.xs);
+  launch_dependents();  // the sum launch may start; it waits for this grid before reading
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t p = blockIdx.y, t = p / a.top_k, slice = blockIdx.x / plan.cluster;
+  const int32_t e = a.ids[p];
+  if (!valid_expert(e, a.experts)) return;  // the whole cluster (one pair): its partial is never read
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t f0 = slice * plan.slice_ffn;
+
+  // w_in: this block's H rows of the slice's columns; lane l holds 8 of them.
+  const int64_t c8 = int64_t(lane) * kVec;
+  const int64_t f_lane = f0 + (gated(A) ? c8 % plan.slice_ffn : c8);
+  const int64_t in_col = (gated(A) && c8 >= plan.slice_ffn ? a.ffn : 0) + f_lane;
+  const int64_t k_begin = std::min(a.hidden, rank * plan.rows_per_block);
+  const int64_t k_end = std::min(a.hidden, k_begin + plan.rows_per_block);
+  const E* w_in = static_cast<const E*>(a.w_in) + weight_index(a, e) * a.hidden * a.in_cols;
+  const WeightRows<E> in_rows{w_in, a.in_cols, k_begin, k_end, in_col, f_lane < a.ffn};
+  uint4 wv[kBatch];
+  in_rows.load(k_begin, wv);
+  const E* x = static_cast<const E*>(a.x) + t * a.hidden;
+  for (int64_t k = k_begin + threadIdx.x * kVec; k < k_end; k += kThreads * kVec)
+    *reinterpret_cast<uint4*>(xs + (k - k_begin)) = *reinterpret_cast<const uint4*>(x + k);
+  __syncthreads();
+  float acc[kVec] = {};
+  in_rows.multiply([&](int64_t k) { return to_float(xs[k - k_begin]); }, wv, acc);
+  sm.part[threadIdx.x] = sum_over_warps(acc, *sm.red);  // thread j: the block's sum of slice column j
+
+  // w_out: this block's share of the slice's F rows, warp w across strips w, w + kWarps, ... of
+  // every output column. Its first loads go out before the cluster's exchange.
+  const int64_t f_begin = std::min(a.ffn, f0 + rank * plan.down_rows_per_block);
+  const int64_t f_end = std::min({a.ffn, f0 + plan.slice_ffn, f_begin + plan.down_rows_per_block});
+  const E* w_out = static_cast<const E*>(a.w_out) + weight_index(a, e) * a.ffn * a.out_cols;
+  auto out_rows = [&](int64_t strip) {
+    const int64_t col = strip * kStrip + c8;
+    return WeightRows<E, false>{w_out, a.out_cols, f_begin, f_end, col, col < a.out_cols};
+  };
+  if (warp < plan.out_strips) out_rows(warp).load(f_begin, wv);
+
+  cluster.sync();  // every block's part is complete
+  {
+    float sum = 0.0f;
+    for (int q = 0; q < plan.cluster; ++q) sum += cluster.map_shared_rank(sm.part, q)[threadIdx.x];
+    sm.total[threadIdx.x] = sum;
+  }
+  __syncthreads();
+  // The activation of the slice's F columns, rounded as the unfused path stores gate_up and h.
+  if (threadIdx.x < plan.slice_ffn && f0 + threadIdx.x < a.ffn) {
+    float value = activate<A>(round_to<E>(sm.total[threadIdx.x]));
+    if constexpr (gated(A)) value = round_to<E>(value) * round_to<E>(sm.total[plan.slice_ffn + threadIdx.x]);
+    sm.h[threadIdx.x] = round_to<E>(value);
+  }
+  __syncthreads();
+  for (int64_t strip = warp; strip < plan.out_strips; strip += kWarps) {
+    const WeightRows<E, false> rows = out_rows(strip);
+    if (strip != warp) rows.load(f_begin, wv);
+    float out[kVec] = {};
+    rows.multiply([&](int64_t f) { return sm.h[f - f0]; }, wv, out);
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) sm.outs[strip * kStrip + c8 + c] = out[c];
+  }
+  cluster.sync();  // every block's outs are complete (and its reads of the others' part done)
+  // Block `rank` adds the cluster's output sums of strips rank, rank + C, ... in rank order.
+  float* partial = reinterpret_cast<float*>(a.workspace) + (p * plan.slices + slice) * a.out_cols;
+  for (int64_t strip = rank; strip < plan.out_strips; strip += plan.cluster) {
+    const int64_t col = strip * kStrip + threadIdx.x;
+    if (col >= a.out_cols) continue;
+    float sum = 0.0f;
+    for (int q = 0; q < plan.cluster; ++q) sum += cluster.map_shared_rank(sm.outs, q)[strip * kStrip + threadIdx.x];
+    partial[col] = sum;
+  }
+  cluster.sync();  // a block's shared memory outlives the other blocks' reads of it
+}
+
+// out[t, col] = sum_k weights[t, k] * round(sum_r partial[t K + k, r, col]): kSumGroups threads a
+// column, thread group g over pairs k = g, g + kSumGroups, ..., their sums added in group order.
+template <class E>
+__global__ void __launch_bounds__(kThreads) slice_sum_kernel(MoeMlpDecodeArgs a, SlicePlan plan) {
+  __shared__ float sums[kSumGroups][kSumCols];
+  const int64_t t = blockIdx.y, col = int64_t(blockIdx.x) * kSumCols + threadIdx.x % kSumCols;
+  const int group = threadIdx.x / kSumCols;
+  const bool col_ok = col < a.out_cols;
+  wait_for_previous_grid();  // the partials are complete from here on
+  const float* partials = reinterpret_cast<const float*>(a.workspace);
+  float out = 0.0f;
+  for (int64_t k = group; col_ok && k < a.top_k; k += kSumGroups) {
+    const int64_t q = t * a.top_k + k;
+    if (!valid_expert(a.ids[q], a.experts)) continue;
+    const float* column = partials + q * plan.slices * a.out_cols + col;
+    float y = 0.0f;
+#pragma unroll 8
+    for (int64_t r = 0; r < plan.slices; ++r) y += __ldcg(column + r * a.out_cols);
+    out += a.weights[q] * round_to<E>(y);
+  }
+  sums[group][threadIdx.x % kSumCols] = out;
+  __syncthreads();
+  if (group != 0 || !col_ok) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int g = 0; g < kSumGroups; ++g) total += sums[g][threadIdx.x];
+  static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(total);
+}
+
 // JAX_MOE_PERMUTE_DECODE_PDL=0 launches the two kernels one after the other, for profiles that
 // sum kernel times (CUPTI): with PDL launch 2's time includes its wait for launch 1.
 bool dependent_launch_enabled() {
@@ -283,33 +470,100 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
-template <class E, MlpActivation A>
-cudaError_t launch(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
-  gate_up_kernel<E><<<dim3(unsigned(plan.in_strips * plan.in_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
-      a, plan);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  // Launch 2 as a programmatic dependent of launch 1: its blocks start as launch 1's retire and
-  // stream their rows of w_out while launch 1 finishes; they wait for it before reading its sums.
+// A programmatic dependent launch of `kernel` after the stream's previous launch (PDL; plain
+// stream order with JAX_MOE_PERMUTE_DECODE_PDL=0), optionally as clusters of `cluster` blocks.
+template <class Kernel, class Plan_>
+cudaError_t launch_dependent(Kernel kernel, dim3 grid, size_t shared_bytes, int cluster, const MoeMlpDecodeArgs& a,
+                             const Plan_& plan, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs));
+  config.gridDim = grid;
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = dependent_launch_enabled() ? 1 : 0;
-  if (cudaError_t err = cudaLaunchKernelEx(&config, down_kernel<E, A>, a, plan); err != cudaSuccess) return err;
+  cudaLaunchAttribute attributes[2];
+  int count = 0;
+  if (dependent_launch_enabled()) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = unsigned(cluster);
+    attributes[count].val.clusterDim.y = attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
+  if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, a, plan); err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
+template <class E, MlpActivation A>
+cudaError_t launch_split(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
+  gate_up_kernel<E><<<dim3(unsigned(plan.in_strips * plan.in_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
+      a, plan);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  // Launch 2's blocks start as launch 1's retire and stream their rows of w_out while launch 1
+  // finishes; they wait for it before reading its sums.
+  return launch_dependent(down_kernel<E, A>, dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)),
+                          0, 1, a, plan, stream);
+}
+
+// The most dynamic shared memory a slice block takes (kMaxSliceOut outputs, kMaxSliceRows of x).
+constexpr size_t kMaxSliceShared = sizeof(float) * (kWarps * kStrip + 3 * kStrip + kMaxSliceOut) +
+                                   sizeof(uint16_t) * kMaxSliceRows;
+
+template <class E, MlpActivation A>
+cudaError_t launch_slices(const MoeMlpDecodeArgs& a, const SlicePlan& plan, cudaStream_t stream) {
+  static const cudaError_t opt_in =  // once per kernel: more than the default 48 KB of shared memory
+      cudaFuncSetAttribute(slice_kernel<E, A>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxSliceShared));
+  if (opt_in != cudaSuccess) return opt_in;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(plan.slices * plan.cluster), unsigned(plan.pairs));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = plan.shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(plan.cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  if (cudaError_t err = cudaLaunchKernelEx(&config, slice_kernel<E, A>, a, plan); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_dependent(slice_sum_kernel<E>, dim3(unsigned(ceil_div(a.out_cols, kSumCols)), unsigned(a.tokens)), 0,
+                          1, a, plan, stream);
+}
+
+// Which form runs: JAX_MOE_PERMUTE_DECODE_MLP=split|slices forces one where it fits (an A/B switch,
+// read at every launch; JAX_MOE_PERMUTE_DECODE_CLUSTER=n forces the slice form's cluster size).
+int forced_cluster() {
+  const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_CLUSTER");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
+bool slice_form_chosen(const MoeMlpDecodeArgs& a, const SlicePlan& plan) {
+  if (!slice_form_fits(a, plan)) return false;
+  const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_MLP");
+  if (v != nullptr && std::string(v) == "slices") return true;
+  if (v != nullptr && std::string(v) == "split") return false;
+  return false;
+}
+
+template <class E, MlpActivation A>
+cudaError_t launch(const MoeMlpDecodeArgs& a, cudaStream_t stream) {
+  const SlicePlan slices = slice_plan_of(a, forced_cluster());
+  if (slice_form_chosen(a, slices)) return launch_slices<E, A>(a, slices, stream);
+  return launch_split<E, A>(a, plan_of(a), stream);
+}
+
 template <class E>
-cudaError_t launch_activation(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
+cudaError_t launch_activation(const MoeMlpDecodeArgs& a, cudaStream_t stream) {
   switch (a.activation) {
-    case MlpActivation::kSwiglu: return launch<E, MlpActivation::kSwiglu>(a, plan, stream);
-    case MlpActivation::kGeglu: return launch<E, MlpActivation::kGeglu>(a, plan, stream);
-    case MlpActivation::kGelu: return launch<E, MlpActivation::kGelu>(a, plan, stream);
-    case MlpActivation::kRelu: return launch<E, MlpActivation::kRelu>(a, plan, stream);
+    case MlpActivation::kSwiglu: return launch<E, MlpActivation::kSwiglu>(a, stream);
+    case MlpActivation::kGeglu: return launch<E, MlpActivation::kGeglu>(a, stream);
+    case MlpActivation::kGelu: return launch<E, MlpActivation::kGelu>(a, stream);
+    case MlpActivation::kRelu: return launch<E, MlpActivation::kRelu>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -325,7 +579,10 @@ bool moe_mlp_decode_fits(const MoeMlpDecodeArgs& a) {
          plan.out_strips * plan.out_splits <= INT32_MAX;
 }
 
-int64_t moe_mlp_decode_workspace_bytes(const MoeMlpDecodeArgs& a) { return plan_of(a).bytes; }
+// Either form's: the form is chosen at launch.
+int64_t moe_mlp_decode_workspace_bytes(const MoeMlpDecodeArgs& a) {
+  return std::max(plan_of(a).bytes, slice_plan_of(a, 0).partials_bytes);
+}
 
 cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t stream) {
   if (a.tokens == 0 || a.out_cols == 0) return cudaSuccess;
@@ -333,10 +590,8 @@ cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t 
   if (a.top_k == 0 || a.hidden == 0 || a.ffn == 0)  // no pair contributes
     return cudaMemsetAsync(a.out, 0, size_t(a.tokens * a.out_cols) * element, stream);
   if (!moe_mlp_decode_fits(a)) return cudaErrorInvalidValue;
-  const Plan plan = plan_of(a);
-  if (a.workspace_bytes < plan.bytes) return cudaErrorInvalidValue;
-  return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, plan, stream)
-                               : launch_activation<__half>(a, plan, stream);
+  if (a.workspace_bytes < moe_mlp_decode_workspace_bytes(a)) return cudaErrorInvalidValue;
+  return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, stream) : launch_activation<__half>(a, stream);
 }
 
 }  // namespace moe::gemm
