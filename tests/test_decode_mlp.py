@@ -181,6 +181,19 @@ def test_slice_form_cluster_sizes(cluster, monkeypatch):
 
 
 @needs_gpu
+def test_slice_form_wide_output(monkeypatch):
+    """H' = 8192 on one block a cluster: more than the default 48 KB of shared memory (the opt-in)."""
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_MLP", "slices")
+    monkeypatch.setenv("JAX_MOE_PERMUTE_DECODE_CLUSTER", "1")
+    T, E, K, H, F = 1, 8, 2, 8192, 16
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    f = fused_call()
+    assert FUSED_TARGET in lowered_text(f, x, w, ids, w_in, w_out)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert_close_to(f(x, w, ids, w_in, w_out), dense_moe(f32(x), w, ids, f32(w_in), f32(w_out)), 2e-2)
+
+
+@needs_gpu
 def test_fused_expert_map_and_grads():
     """A local share of the experts (expert_map), and gradients at a decode shape (the JVP rule's
     unfused path) against the dense reference."""

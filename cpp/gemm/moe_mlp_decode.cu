@@ -515,9 +515,11 @@ constexpr size_t kMaxSliceShared = sizeof(float) * (kWarps * kStrip + 3 * kStrip
 
 template <class E, MlpActivation A>
 cudaError_t launch_slices(const MoeMlpDecodeArgs& a, const SlicePlan& plan, cudaStream_t stream) {
-  static const cudaError_t opt_in =  // once per kernel: more than the default 48 KB of shared memory
-      cudaFuncSetAttribute(slice_kernel<E, A>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxSliceShared));
-  if (opt_in != cudaSuccess) return opt_in;
+  if (plan.shared_bytes > 48 * 1024)  // past the default: opt in (on the current device; wide outputs only)
+    if (cudaError_t err = cudaFuncSetAttribute(slice_kernel<E, A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(kMaxSliceShared));
+        err != cudaSuccess)
+      return err;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(plan.slices * plan.cluster), unsigned(plan.pairs));
   config.blockDim = dim3(kThreads);
