@@ -2,12 +2,13 @@
 //   out[t] = sum_k weights[t, k] * (act(x[t] · w_in[ids[t, k]]) · w_out[ids[t, k]])
 // for calls with a few (token, expert) pairs per expert, where the time is the weight read. It
 // replaces permute, the two grouped GEMMs with their partial-sum kernels, the activation and the
-// weighted unpermute (seven launches) of the unfused path.
+// weighted unpermute (seven launches) of the unfused path. Two forms, chosen at launch: the split
+// form (here) and the slice form (below, for few units of work).
 //
-// Launch 1 (gate_up): a block takes one pair p = (t, k), a strip of 256 columns of w_in and one
-// of S1 row ranges (split-K), stages its slice of x[t] in shared memory (no permuted copy) and
-// writes float32 partial sums [S1, P, 2F]. Its first block also zeroes the arrival counters of
-// launch 2. Both launches issue their first weight loads before that prologue.
+// The split form. Launch 1 (gate_up): a block takes one pair p = (t, k), a strip of 256 columns
+// of w_in and one of S1 row ranges (split-K), stages its slice of x[t] in shared memory (no
+// permuted copy) and writes float32 partial sums [S1, P, 2F]. Its first block also zeroes the
+// arrival counters of launch 2. Both launches issue their first weight loads before that prologue.
 // Launch 2 (down): a block takes a pair, a strip of 256 output columns and one of S2 ranges of
 // w_out's F rows; it adds launch 1's S1 partials of its F range in a fixed order, rounds them as
 // the unfused path stores them (gate_up in the element type), applies the activation (rounded
@@ -17,8 +18,9 @@
 // the unfused path does: results are bitwise reproducible and equal that path's to rounding.
 //
 // Launch 2 is a programmatic dependent launch of launch 1 (PDL): its blocks take the SMs launch 1's
-// blocks leave and issue their first weight loads, then wait for launch 1's grid before its sums. Pairs whose id lies outside [0, E) contribute nothing. Grids
-// depend on the shapes only (graph safe); no host work, no setup kernel.
+// blocks leave and issue their first weight loads, then wait for launch 1's grid before its sums.
+// Pairs whose id lies outside [0, E) contribute nothing. Grids depend on the shapes only (graph
+// safe); no host work, no setup kernel.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
 //
 // The split form above waits, between its launches, for every block of launch 1: launch 2's blocks
 // start as launch 1's retire and stream only 192 rows each (Qwen3) between that wait and the
-// cross-block sum (design-notes, "The decode MLP's two forms"). Here a thread-block cluster takes a
+// cross-block sum (docs/layer.md, "The decode MLP"). Here a thread-block cluster takes a
 // pair p and a slice of F (128 gate and 128 up columns of w_in, or 256 columns ungated): its C
 // blocks split H, add their sums of the slice in distributed shared memory, apply the activation
 // and go on to the slice's rows of w_out (each block a share of them, every output column), then
