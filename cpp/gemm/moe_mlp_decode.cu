@@ -149,6 +149,21 @@ __device__ __forceinline__ float sum_over_warps(const float (&acc)[kVec], float 
   return sum;
 }
 
+// The block's product of x[t]'s rows [rows.k_begin, rows.k_end) with its rows of w_in (the first
+// step's loads in wv): x's rows staged in shared memory (xs), then the warps' sums added; thread j
+// returns strip column j's.
+template <class E>
+__device__ __forceinline__ float x_times_rows(const MoeMlpDecodeArgs& a, int64_t t, const WeightRows<E>& rows,
+                                              uint4 (&wv)[kBatch], E* xs, float (&red)[kWarps][kStrip]) {
+  const E* x = static_cast<const E*>(a.x) + t * a.hidden;  // rows of 16-byte multiples (hidden % kVec == 0)
+  for (int64_t k = rows.k_begin + threadIdx.x * kVec; k < rows.k_end; k += kThreads * kVec)
+    *reinterpret_cast<uint4*>(xs + (k - rows.k_begin)) = *reinterpret_cast<const uint4*>(x + k);
+  __syncthreads();
+  float acc[kVec] = {};
+  rows.multiply([&](int64_t k) { return to_float(xs[k - rows.k_begin]); }, wv, acc);
+  return sum_over_warps(acc, red);
+}
+
 __device__ __forceinline__ bool valid_expert(int32_t e, int64_t experts) { return e >= 0 && e < experts; }
 
 // The index of expert e's matrix in w_in / w_out: stacked weights add the layer's E experts.
@@ -176,13 +191,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   const WeightRows<E> rows{w_in, a.in_cols, k_begin, k_end, col, col < a.in_cols};
   uint4 wv[kBatch];
   rows.load(k_begin, wv);
-  const E* x = static_cast<const E*>(a.x) + t * a.hidden;  // rows of 16-byte multiples (hidden % kVec == 0)
-  for (int64_t k = k_begin + threadIdx.x * kVec; k < k_end; k += kThreads * kVec)
-    *reinterpret_cast<uint4*>(xs + (k - k_begin)) = *reinterpret_cast<const uint4*>(x + k);
-  __syncthreads();
-  float acc[kVec] = {};
-  rows.multiply([&](int64_t k) { return to_float(xs[k - k_begin]); }, wv, acc);
-  const float sum = sum_over_warps(acc, red);
+  const float sum = x_times_rows(a, t, rows, wv, xs, red);
   if (col0 + threadIdx.x < a.in_cols) partials[(split * plan.pairs + p) * a.in_cols + col0 + threadIdx.x] = sum;
 }
 
@@ -379,13 +388,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) slice_kernel(MoeMlpDec
   const WeightRows<E> in_rows{w_in, a.in_cols, k_begin, k_end, in_col, f_lane < a.ffn};
   uint4 wv[kBatch];
   in_rows.load(k_begin, wv);
-  const E* x = static_cast<const E*>(a.x) + t * a.hidden;
-  for (int64_t k = k_begin + threadIdx.x * kVec; k < k_end; k += kThreads * kVec)
-    *reinterpret_cast<uint4*>(xs + (k - k_begin)) = *reinterpret_cast<const uint4*>(x + k);
-  __syncthreads();
-  float acc[kVec] = {};
-  in_rows.multiply([&](int64_t k) { return to_float(xs[k - k_begin]); }, wv, acc);
-  sm.part[threadIdx.x] = sum_over_warps(acc, *sm.red);  // thread j: the block's sum of slice column j
+  sm.part[threadIdx.x] = x_times_rows(a, t, in_rows, wv, xs, *sm.red);  // thread j: slice column j's
 
   // w_out: this block's share of the slice's F rows, warp w across strips w, w + kWarps, ... of
   // every output column. Its first loads go out before the cluster's exchange.
