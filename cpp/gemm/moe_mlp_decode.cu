@@ -171,6 +171,15 @@ __device__ __forceinline__ int64_t weight_index(const MoeMlpDecodeArgs& a, int32
   return a.layer == nullptr ? e : stacked_layer(a.layer, a.layers) * a.experts + e;
 }
 
+// Rows [first, first + count) of expert e's w_in (clipped to H), from column col.
+template <class E>
+__device__ __forceinline__ WeightRows<E> w_in_rows(const MoeMlpDecodeArgs& a, int32_t e, int64_t first, int64_t count,
+                                                   int64_t col, bool col_ok) {
+  const int64_t k_begin = std::min(a.hidden, first), k_end = std::min(a.hidden, k_begin + count);
+  const E* w_in = static_cast<const E*>(a.w_in) + weight_index(a, e) * a.hidden * a.in_cols;
+  return WeightRows<E>{w_in, a.in_cols, k_begin, k_end, col, col_ok};
+}
+
 template <class E>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpDecodeArgs a, Plan plan) {
   __shared__ float red[kWarps][kStrip];
@@ -185,12 +194,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   if (!valid_expert(e, a.experts)) return;
   const int64_t split = blockIdx.x % plan.in_splits, col0 = int64_t(blockIdx.x / plan.in_splits) * kStrip;
   const int64_t col = col0 + (threadIdx.x % 32) * kVec;
-  const int64_t k_begin = std::min(a.hidden, split * plan.in_split_rows);
-  const int64_t k_end = std::min(a.hidden, k_begin + plan.in_split_rows);
-  const E* w_in = static_cast<const E*>(a.w_in) + weight_index(a, e) * a.hidden * a.in_cols;
-  const WeightRows<E> rows{w_in, a.in_cols, k_begin, k_end, col, col < a.in_cols};
+  const WeightRows<E> rows = w_in_rows<E>(a, e, split * plan.in_split_rows, plan.in_split_rows, col, col < a.in_cols);
   uint4 wv[kBatch];
-  rows.load(k_begin, wv);
+  rows.load(rows.k_begin, wv);
   const float sum = x_times_rows(a, t, rows, wv, xs, red);
   if (col0 + threadIdx.x < a.in_cols) partials[(split * plan.pairs + p) * a.in_cols + col0 + threadIdx.x] = sum;
 }
@@ -383,12 +389,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) slice_kernel(MoeMlpDec
   const int64_t c8 = int64_t(lane) * kVec;
   const int64_t f_lane = f0 + (gated(A) ? c8 % plan.slice_ffn : c8);
   const int64_t in_col = (gated(A) && c8 >= plan.slice_ffn ? a.ffn : 0) + f_lane;
-  const int64_t k_begin = std::min(a.hidden, rank * plan.rows_per_block);
-  const int64_t k_end = std::min(a.hidden, k_begin + plan.rows_per_block);
-  const E* w_in = static_cast<const E*>(a.w_in) + weight_index(a, e) * a.hidden * a.in_cols;
-  const WeightRows<E> in_rows{w_in, a.in_cols, k_begin, k_end, in_col, f_lane < a.ffn};
+  const WeightRows<E> in_rows = w_in_rows<E>(a, e, rank * plan.rows_per_block, plan.rows_per_block, in_col, f_lane < a.ffn);
   uint4 wv[kBatch];
-  in_rows.load(k_begin, wv);
+  in_rows.load(in_rows.k_begin, wv);
   sm.part[threadIdx.x] = x_times_rows(a, t, in_rows, wv, xs, *sm.red);  // thread j: slice column j's
 
   // w_out: this block's share of the slice's F rows, warp w across strips w, w + kWarps, ... of
