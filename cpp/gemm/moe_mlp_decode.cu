@@ -389,7 +389,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) slice_kernel(MoeMlpDec
   const int64_t c8 = int64_t(lane) * kVec;
   const int64_t f_lane = f0 + (gated(A) ? c8 % plan.slice_ffn : c8);
   const int64_t in_col = (gated(A) && c8 >= plan.slice_ffn ? a.ffn : 0) + f_lane;
-  const WeightRows<E> in_rows = w_in_rows<E>(a, e, rank * plan.rows_per_block, plan.rows_per_block, in_col, f_lane < a.ffn);
+  const WeightRows<E> in_rows =
+      w_in_rows<E>(a, e, rank * plan.rows_per_block, plan.rows_per_block, in_col, f_lane < a.ffn);
   uint4 wv[kBatch];
   in_rows.load(in_rows.k_begin, wv);
   sm.part[threadIdx.x] = x_times_rows(a, t, in_rows, wv, xs, *sm.red);  // thread j: slice column j's
