@@ -480,11 +480,11 @@ bool dependent_launch_enabled() {
   return enabled;
 }
 
-// A programmatic dependent launch of `kernel` after the stream's previous launch (PDL; plain
-// stream order with JAX_MOE_PERMUTE_DECODE_PDL=0), optionally as clusters of `cluster` blocks.
-template <class Kernel, class Plan_>
-cudaError_t launch_dependent(Kernel kernel, dim3 grid, size_t shared_bytes, int cluster, const MoeMlpDecodeArgs& a,
-                             const Plan_& plan, cudaStream_t stream) {
+// One launch of `kernel` (kThreads a block): `dependent` as a programmatic dependent launch after the
+// stream's previous launch (PDL), `cluster` > 0 as clusters of that many blocks.
+template <class Kernel, class P>
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, size_t shared_bytes, int cluster, bool dependent,
+                          const MoeMlpDecodeArgs& a, const P& plan, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
@@ -492,11 +492,11 @@ cudaError_t launch_dependent(Kernel kernel, dim3 grid, size_t shared_bytes, int 
   config.stream = stream;
   cudaLaunchAttribute attributes[2];
   int count = 0;
-  if (dependent_launch_enabled()) {
+  if (dependent) {
     attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attributes[count++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster > 1) {
+  if (cluster > 0) {
     attributes[count].id = cudaLaunchAttributeClusterDimension;
     attributes[count].val.clusterDim.x = unsigned(cluster);
     attributes[count].val.clusterDim.y = attributes[count].val.clusterDim.z = 1;
@@ -515,8 +515,8 @@ cudaError_t launch_split(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   // Launch 2's blocks start as launch 1's retire and stream their rows of w_out while launch 1
   // finishes; they wait for it before reading its sums.
-  return launch_dependent(down_kernel<E, A>, dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)),
-                          0, 1, a, plan, stream);
+  return launch_kernel(down_kernel<E, A>, dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)), 0,
+                       0, dependent_launch_enabled(), a, plan, stream);
 }
 
 // The most dynamic shared memory a slice block takes (kMaxSliceOut outputs, kMaxSliceRows of x).
@@ -530,55 +530,54 @@ cudaError_t launch_slices(const MoeMlpDecodeArgs& a, const SlicePlan& plan, cuda
                                                int(kMaxSliceShared));
         err != cudaSuccess)
       return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(plan.slices * plan.cluster), unsigned(plan.pairs));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = plan.shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = unsigned(plan.cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  if (cudaError_t err = cudaLaunchKernelEx(&config, slice_kernel<E, A>, a, plan); err != cudaSuccess) return err;
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  return launch_dependent(slice_sum_kernel<E>, dim3(unsigned(ceil_div(a.out_cols, kSumCols)), unsigned(a.tokens)), 0,
-                          1, a, plan, stream);
+  const dim3 grid(unsigned(plan.slices * plan.cluster), unsigned(plan.pairs));
+  if (cudaError_t err =
+          launch_kernel(slice_kernel<E, A>, grid, plan.shared_bytes, plan.cluster, false, a, plan, stream);
+      err != cudaSuccess)
+    return err;
+  return launch_kernel(slice_sum_kernel<E>, dim3(unsigned(ceil_div(a.out_cols, kSumCols)), unsigned(a.tokens)), 0, 0,
+                       dependent_launch_enabled(), a, plan, stream);
 }
 
-// Which form runs: JAX_MOE_PERMUTE_DECODE_MLP=split|slices forces one where it fits (an A/B switch,
-// read at every launch; JAX_MOE_PERMUTE_DECODE_CLUSTER=n forces the slice form's cluster size).
-int forced_cluster() {
-  const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_CLUSTER");
-  return v == nullptr ? 0 : std::atoi(v);
+// Which form runs: JAX_MOE_PERMUTE_DECODE_MLP=split|slices forces one where it fits, and with
+// slices JAX_MOE_PERMUTE_DECODE_CLUSTER=n its cluster size (A/B switches, read at every launch:
+// unset, one getenv a launch).
+struct FormSwitch {
+  bool slices = false, split = false;
+  int cluster = 0;  // 0: the plan's
+};
+
+FormSwitch form_switch() {
+  FormSwitch f;
+  if (const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_MLP")) {
+    f.slices = std::string(v) == "slices", f.split = std::string(v) == "split";
+    if (f.slices)
+      if (const char* c = std::getenv("JAX_MOE_PERMUTE_DECODE_CLUSTER")) f.cluster = std::atoi(c);
+  }
+  return f;
 }
 
 // The rule: the slice form where its units (pair, slice) number at most a quarter of a wave of
 // resident blocks, so that each gets a cluster of 4 or more (Qwen3-30B-A3B at T = 1: 48 units on
 // 132 SMs); with more units it measured even with the split form or slower (Mixtral).
-bool slice_form_chosen(const MoeMlpDecodeArgs& a, const SlicePlan& plan) {
-  if (!slice_form_fits(a, plan)) return false;
-  const char* v = std::getenv("JAX_MOE_PERMUTE_DECODE_MLP");
-  if (v != nullptr && std::string(v) == "slices") return true;
-  if (v != nullptr && std::string(v) == "split") return false;
-  return 4 * plan.pairs * plan.slices <= int64_t(kBlocksPerSm) * sm_count();
+bool slice_form_chosen(const MoeMlpDecodeArgs& a, const SlicePlan& plan, const FormSwitch& f) {
+  if (!slice_form_fits(a, plan) || f.split) return false;
+  return f.slices || 4 * plan.pairs * plan.slices <= int64_t(kBlocksPerSm) * sm_count();
 }
 
 template <class E, MlpActivation A>
-cudaError_t launch(const MoeMlpDecodeArgs& a, cudaStream_t stream) {
-  const SlicePlan slices = slice_plan_of(a, forced_cluster());
-  if (slice_form_chosen(a, slices)) return launch_slices<E, A>(a, slices, stream);
-  return launch_split<E, A>(a, plan_of(a), stream);
+cudaError_t launch(const MoeMlpDecodeArgs& a, const Plan& plan, const SlicePlan& slices, bool use_slices,
+                   cudaStream_t stream) {
+  return use_slices ? launch_slices<E, A>(a, slices, stream) : launch_split<E, A>(a, plan, stream);
 }
 
-template <class E>
-cudaError_t launch_activation(const MoeMlpDecodeArgs& a, cudaStream_t stream) {
+template <class E, class... Rest>
+cudaError_t launch_activation(const MoeMlpDecodeArgs& a, const Rest&... rest) {
   switch (a.activation) {
-    case MlpActivation::kSwiglu: return launch<E, MlpActivation::kSwiglu>(a, stream);
-    case MlpActivation::kGeglu: return launch<E, MlpActivation::kGeglu>(a, stream);
-    case MlpActivation::kGelu: return launch<E, MlpActivation::kGelu>(a, stream);
-    case MlpActivation::kRelu: return launch<E, MlpActivation::kRelu>(a, stream);
+    case MlpActivation::kSwiglu: return launch<E, MlpActivation::kSwiglu>(a, rest...);
+    case MlpActivation::kGeglu: return launch<E, MlpActivation::kGeglu>(a, rest...);
+    case MlpActivation::kGelu: return launch<E, MlpActivation::kGelu>(a, rest...);
+    case MlpActivation::kRelu: return launch<E, MlpActivation::kRelu>(a, rest...);
   }
   return cudaErrorInvalidValue;
 }
@@ -605,8 +604,13 @@ cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t 
   if (a.top_k == 0 || a.hidden == 0 || a.ffn == 0)  // no pair contributes
     return cudaMemsetAsync(a.out, 0, size_t(a.tokens * a.out_cols) * element, stream);
   if (!moe_mlp_decode_fits(a)) return cudaErrorInvalidValue;
-  if (a.workspace_bytes < moe_mlp_decode_workspace_bytes(a)) return cudaErrorInvalidValue;
-  return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, stream) : launch_activation<__half>(a, stream);
+  const FormSwitch form = form_switch();
+  const Plan plan = plan_of(a);
+  const SlicePlan slices = slice_plan_of(a, form.cluster);
+  if (a.workspace_bytes < std::max(plan.bytes, slices.partials_bytes)) return cudaErrorInvalidValue;
+  const bool use_slices = slice_form_chosen(a, slices, form);
+  return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, plan, slices, use_slices, stream)
+                               : launch_activation<__half>(a, plan, slices, use_slices, stream);
 }
 
 }  // namespace moe::gemm
