@@ -336,17 +336,25 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
   __syncthreads();
   for (int64_t j = threadIdx.x; j < kTokens * E; j += kHiddenThreads) {  // the block's rows, in order
     float sum = 0.0f;
+#pragma unroll 8
     for (int q = 0; q < red_rows; ++q) sum += red[q * kTokens * E + j];
     part[j] = sum;
   }
   cluster.sync();  // every block's part is complete
 
-  // Block t % blocks finishes token t: the blocks' parts in rank order, then the route.
+  // Block t % blocks finishes token t: the blocks' parts in rank order, then the route. A thread
+  // issues its reads of every block's shared memory before adding any (one latency, not 16).
   float* row = red;
   for (int t = rank; t < tokens; t += blocks) {
     for (int64_t e = threadIdx.x; e < E; e += kHiddenThreads) {
+      float parts[kHiddenMaxCluster];
+#pragma unroll
+      for (int q = 0; q < kHiddenMaxCluster; ++q)
+        parts[q] = q < blocks ? cluster.map_shared_rank(part, q)[t * E + e] : 0.0f;
       float sum = 0.0f;
-      for (int q = 0; q < blocks; ++q) sum += cluster.map_shared_rank(part, q)[t * E + e];
+#pragma unroll
+      for (int q = 0; q < kHiddenMaxCluster; ++q)
+        if (q < blocks) sum += parts[q];
       row[e] = sum;
       a.logits[(t0 + t) * E + e] = sum;
     }
@@ -356,7 +364,10 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
                                  reinterpret_cast<int32_t*>(staging + E + r.num_groups));
     __syncthreads();  // the row is rewritten by the block's next token
   }
-  cluster.sync();  // a block's shared memory outlives the other blocks' reads of it
+  // A block's shared memory outlives the other blocks' reads of it. Those reads are complete (their
+  // values were added), so the arrival needs no memory ordering: no fence behind the global writes.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
 
