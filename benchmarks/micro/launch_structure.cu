@@ -21,16 +21,11 @@
 #include <cstring>
 #include <vector>
 
+#include "../../cpp/gemm/decode_common.cuh"  // load_stream
+#include "check.cuh"
+
 namespace cg = cooperative_groups;
 
-#define CK(x)                                                                  \
-  do {                                                                         \
-    cudaError_t e = (x);                                                       \
-    if (e != cudaSuccess) {                                                    \
-      printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__);   \
-      exit(1);                                                                 \
-    }                                                                          \
-  } while (0)
 
 constexpr int kThreads = 256, kUnroll = 8;
 constexpr int64_t kRouterBytes = 2048 * 128 * 2, kExpertBytes = 8LL * 3 * 2048 * 768 * 2;
@@ -40,14 +35,6 @@ constexpr int kRouterBlocks = 16, kSumBlocks = 32, kAddBlocks = 2;
 struct Layer {
   const uint4 *router, *experts, *partials, *x;
 };
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
@@ -60,7 +47,8 @@ __device__ void read_range(const uint4* p, int64_t bytes, int block, int blocks,
   for (int64_t i = int64_t{block} * kThreads * kUnroll + threadIdx.x; i < n; i += stride) {
     uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = i + u * kThreads < n ? load_stream(p + i + u * kThreads) : uint4{};
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = i + u * kThreads < n ? moe::gemm::decode::load_stream(p + i + u * kThreads) : uint4{};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
@@ -86,31 +74,26 @@ __global__ void __launch_bounds__(kThreads) layer_kernel(Layer layer, bool waits
   read_range(layer.x, kAddBytes, b, kAddBlocks, sink);
 }
 
-cudaError_t launch(void (*kernel)(const uint4*, int64_t, bool, unsigned*), int blocks, bool dependent,
-                   cudaStream_t s, const uint4* p, int64_t bytes, unsigned* sink) {
+// One launch of kernel with one attribute: programmatic serialization (PDL) or a cooperative grid.
+template <class... Params, class... Args>
+cudaError_t launch(void (*kernel)(Params...), int blocks, cudaLaunchAttributeID id, bool on, cudaStream_t s,
+                   const Args&... args) {
   cudaLaunchConfig_t c = {};
   c.gridDim = dim3(blocks);
   c.blockDim = dim3(kThreads);
   c.stream = s;
-  cudaLaunchAttribute a;
-  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  a.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute a = {};
+  a.id = id;
+  if (id == cudaLaunchAttributeCooperative) a.val.cooperative = 1;
+  else a.val.programmaticStreamSerializationAllowed = 1;
   c.attrs = &a;
-  c.numAttrs = dependent ? 1 : 0;
-  return cudaLaunchKernelEx(&c, kernel, p, bytes, dependent, sink);
+  c.numAttrs = on ? 1 : 0;
+  return cudaLaunchKernelEx(&c, kernel, args...);
 }
 
-cudaError_t launch_layer(int blocks, bool waits, cudaStream_t s, const Layer& layer, unsigned* sink) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(blocks);
-  c.blockDim = dim3(kThreads);
-  c.stream = s;
-  cudaLaunchAttribute a;
-  a.id = cudaLaunchAttributeCooperative;
-  a.val.cooperative = 1;
-  c.attrs = &a;
-  c.numAttrs = 1;
-  return cudaLaunchKernelEx(&c, layer_kernel, layer, waits, sink);
+cudaError_t read_launch(int blocks, bool dependent, cudaStream_t s, const uint4* p, int64_t bytes, unsigned* sink) {
+  return launch(read_kernel, blocks, cudaLaunchAttributeProgrammaticStreamSerialization, dependent, s, p, bytes,
+                dependent, sink);
 }
 
 int main(int argc, char** argv) {
@@ -145,15 +128,15 @@ int main(int argc, char** argv) {
     for (const Layer& y : layers) {
       cudaError_t e = cudaSuccess;
       if (!strcmp(name, "read")) {
-        e = launch(read_kernel, grid, false, s, y.experts, kExpertBytes, sink);
+        e = read_launch(grid, false, s, y.experts, kExpertBytes, sink);
       } else if (!strcmp(name, "launches") || !strcmp(name, "pdl")) {
         const bool pdl = !strcmp(name, "pdl");
-        if (e == cudaSuccess) e = launch(read_kernel, kRouterBlocks, false, s, y.router, kRouterBytes, sink);
-        if (e == cudaSuccess) e = launch(read_kernel, grid, pdl, s, y.experts, kExpertBytes, sink);
-        if (e == cudaSuccess) e = launch(read_kernel, kSumBlocks, pdl, s, y.partials, kPartialBytes, sink);
-        if (e == cudaSuccess) e = launch(read_kernel, kAddBlocks, pdl, s, y.x, kAddBytes, sink);
+        if (e == cudaSuccess) e = read_launch(kRouterBlocks, false, s, y.router, kRouterBytes, sink);
+        if (e == cudaSuccess) e = read_launch(grid, pdl, s, y.experts, kExpertBytes, sink);
+        if (e == cudaSuccess) e = read_launch(kSumBlocks, pdl, s, y.partials, kPartialBytes, sink);
+        if (e == cudaSuccess) e = read_launch(kAddBlocks, pdl, s, y.x, kAddBytes, sink);
       } else {
-        e = launch_layer(grid, !strcmp(name, "one"), s, y, sink);
+        e = launch(layer_kernel, grid, cudaLaunchAttributeCooperative, true, s, y, bool(!strcmp(name, "one")), sink);
       }
       if (e != cudaSuccess) return e;
     }

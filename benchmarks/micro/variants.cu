@@ -11,14 +11,8 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e = (x);                                                               \
-    if (e != cudaSuccess) {                                                            \
-      printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__);           \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
+#include "check.cuh"
+
 
 // ---- permute copies ------------------------------------------------------------------
 // P0: shipped copy_rows_kernel: blocks over (token, 512-vector chunk), 128 threads x 4 loads.
