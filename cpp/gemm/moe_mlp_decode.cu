@@ -28,6 +28,7 @@
 
 #include <cooperative_groups.h>
 
+#include "cuda_check.h"
 #include "decode_common.cuh"
 #include "moe_mlp_decode.h"
 
@@ -504,7 +505,7 @@ cudaError_t launch_kernel(Kernel kernel, dim3 grid, size_t shared_bytes, int clu
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, a, plan); err != cudaSuccess) return err;
+  MOE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, a, plan));
   return cudaGetLastError();
 }
 
@@ -512,7 +513,7 @@ template <class E, MlpActivation A>
 cudaError_t launch_split(const MoeMlpDecodeArgs& a, const Plan& plan, cudaStream_t stream) {
   gate_up_kernel<E><<<dim3(unsigned(plan.in_strips * plan.in_splits), unsigned(plan.pairs)), kThreads, 0, stream>>>(
       a, plan);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  MOE_CHECK_LAUNCH();
   // Launch 2's blocks start as launch 1's retire and stream their rows of w_out while launch 1
   // finishes; they wait for it before reading its sums.
   return launch_kernel(down_kernel<E, A>, dim3(unsigned(plan.out_strips * plan.out_splits), unsigned(plan.pairs)), 0,
@@ -526,15 +527,10 @@ constexpr size_t kMaxSliceShared = sizeof(float) * (kWarps * kStrip + 3 * kStrip
 template <class E, MlpActivation A>
 cudaError_t launch_slices(const MoeMlpDecodeArgs& a, const SlicePlan& plan, cudaStream_t stream) {
   if (plan.shared_bytes > 48 * 1024)  // past the default: opt in (on the current device; wide outputs only)
-    if (cudaError_t err = cudaFuncSetAttribute(slice_kernel<E, A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(kMaxSliceShared));
-        err != cudaSuccess)
-      return err;
+    MOE_CUDA_TRY(cudaFuncSetAttribute(slice_kernel<E, A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(kMaxSliceShared)));
   const dim3 grid(unsigned(plan.slices * plan.cluster), unsigned(plan.pairs));
-  if (cudaError_t err =
-          launch_kernel(slice_kernel<E, A>, grid, plan.shared_bytes, plan.cluster, false, a, plan, stream);
-      err != cudaSuccess)
-    return err;
+  MOE_CUDA_TRY(launch_kernel(slice_kernel<E, A>, grid, plan.shared_bytes, plan.cluster, false, a, plan, stream));
   return launch_kernel(slice_sum_kernel<E>, dim3(unsigned(ceil_div(a.out_cols, kSumCols)), unsigned(a.tokens)), 0, 0,
                        dependent_launch_enabled(), a, plan, stream);
 }
@@ -582,6 +578,10 @@ cudaError_t launch_activation(const MoeMlpDecodeArgs& a, const Rest&... rest) {
   return cudaErrorInvalidValue;
 }
 
+// Either form's workspace: the form is chosen at launch.
+int64_t workspace_bytes(const Plan& plan, const SlicePlan& slices) {
+  return std::max(plan.bytes, slices.partials_bytes);
+}
 
 }  // namespace
 
@@ -593,9 +593,8 @@ bool moe_mlp_decode_fits(const MoeMlpDecodeArgs& a) {
          plan.out_strips * plan.out_splits <= INT32_MAX;
 }
 
-// Either form's: the form is chosen at launch.
 int64_t moe_mlp_decode_workspace_bytes(const MoeMlpDecodeArgs& a) {
-  return std::max(plan_of(a).bytes, slice_plan_of(a, 0).partials_bytes);
+  return workspace_bytes(plan_of(a), slice_plan_of(a, 0));
 }
 
 cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t stream) {
@@ -607,7 +606,7 @@ cudaError_t moe_mlp_decode(Dtype dtype, const MoeMlpDecodeArgs& a, cudaStream_t 
   const FormSwitch form = form_switch();
   const Plan plan = plan_of(a);
   const SlicePlan slices = slice_plan_of(a, form.cluster);
-  if (a.workspace_bytes < std::max(plan.bytes, slices.partials_bytes)) return cudaErrorInvalidValue;
+  if (a.workspace_bytes < workspace_bytes(plan, slices)) return cudaErrorInvalidValue;
   const bool use_slices = slice_form_chosen(a, slices, form);
   return dtype == Dtype::kBf16 ? launch_activation<__nv_bfloat16>(a, plan, slices, use_slices, stream)
                                : launch_activation<__half>(a, plan, slices, use_slices, stream);
