@@ -84,6 +84,30 @@ __device__ void keep_best_groups(const RouterArgs& a, int lane, float* choice_ro
   __syncwarp();  // the staged row is rewritten by the warp's next token
 }
 
+// Sorts a lane's kSlots (key, expert, score) triples into choice order (key descending, then
+// expert ascending): a bitonic network, every index static.
+template <int kSlots>
+__device__ __forceinline__ void sort_slots(int32_t (&key)[kSlots], int32_t (&expert)[kSlots], float (&score)[kSlots]) {
+  static_assert((kSlots & (kSlots - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int size = 2; size <= kSlots; size *= 2)
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        const int partner = i ^ stride;
+        if (partner <= i) continue;
+        // Ascending blocks put the better triple first, descending ones last.
+        const bool first_better = ranks_before(key[i], expert[i], key[partner], expert[partner]);
+        if (first_better != ((i & size) == 0)) {
+          const int32_t k = key[i], e = expert[i];
+          const float v = score[i];
+          key[i] = key[partner], expert[i] = expert[partner], score[i] = score[partner];
+          key[partner] = k, expert[partner] = e, score[partner] = v;
+        }
+      }
+}
+
 // Routes token t from its row of E logits (any float type, global or shared memory); one warp.
 // The grouped choice stages the row in choice_row [E] and uses group_score and kept [num_groups].
 template <typename L, int kSlots>
@@ -119,36 +143,33 @@ __device__ __forceinline__ void route_token(const RouterArgs& a, int lane, int64
   for (int j = 0; j < kSlots; ++j)
     choice[j] = bias != nullptr && lane + 32 * j < E ? score[j] + bias[lane + 32 * j] : score[j];
   if (a.num_groups > 0) keep_best_groups<kSlots>(a, lane, choice_row, group_score, kept, choice);
-  int32_t key[kSlots];
+  // Each lane's experts in choice order (a sorting network over its slots), so that a round's
+  // candidate is the lane's first and only the lane that gives it up shifts: K rounds of two warp
+  // reductions, not K scans of every slot (a latency chain of one warp: 2.96 us of the Qwen3
+  // router's 7.4 at T = 1 before). Past E a slot holds (kLowestKey, INT32_MAX), after every expert.
+  int32_t key[kSlots], expert[kSlots];
 #pragma unroll
-  for (int j = 0; j < kSlots; ++j) key[j] = order_key(choice[j]);
+  for (int j = 0; j < kSlots; ++j) {
+    const bool in = lane + 32 * j < E;
+    key[j] = in ? order_key(choice[j]) : kLowestKey;
+    expert[j] = in ? lane + 32 * j : INT32_MAX;
+  }
+  sort_slots<kSlots>(key, expert, score);
 
-  // K rounds of a warp argmax; lane k % 32 keeps round k's result in slot k / 32.
-  uint32_t taken = 0;  // bit j: this lane's expert lane + 32 j is chosen already
+  // Round k's result goes to lane k % 32, slot k / 32.
   float picked_w[kSlots];
   int32_t picked_id[kSlots];
   float sum = 0.0f;
   for (int32_t k = 0; k < K; ++k) {
-    int32_t best_key = kLowestKey, best = INT32_MAX;
+    // The warp's best: the largest key, then the lowest expert holding it.
+    const int32_t top_key = __reduce_max_sync(kFull, key[0]);
+    const int32_t best = __reduce_min_sync(kFull, key[0] == top_key ? expert[0] : INT32_MAX);
+    const float w = __shfl_sync(kFull, score[0], best % 32);
+    if (expert[0] == best) {  // its owner moves on to its next expert
 #pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      const int32_t e = lane + 32 * j;
-      if (e < E && !(taken >> j & 1) && ranks_before(key[j], e, best_key, best)) {
-        best_key = key[j];
-        best = e;
-      }
+      for (int i = 0; i + 1 < kSlots; ++i) key[i] = key[i + 1], expert[i] = expert[i + 1], score[i] = score[i + 1];
+      key[kSlots - 1] = kLowestKey, expert[kSlots - 1] = INT32_MAX;
     }
-    // The warp's best: the largest key, then the lowest expert holding it (two warp reductions,
-    // in place of a five-step shuffle tree over (key, expert) pairs).
-    const int32_t top_key = __reduce_max_sync(kFull, best_key);
-    best = __reduce_min_sync(kFull, best_key == top_key ? best : INT32_MAX);
-    const int owner = best % 32, slot = best / 32;
-    float own = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j)
-      if (j == slot) own = score[j];
-    if (lane == owner) taken |= 1u << slot;
-    const float w = __shfl_sync(kFull, own, owner);
     sum += w;
     if (lane == k % 32) {
 #pragma unroll
@@ -212,7 +233,16 @@ cudaError_t launch_for_experts(const RouterArgs& a, cudaStream_t stream) {
 // with route_token. Grid and cluster depend on the shapes only (graph safe); no workspace.
 constexpr int kHiddenThreads = 256;
 constexpr int kHiddenBatch = 8;         // rows a thread loads per step (two steps in flight)
-constexpr int kHiddenMaxCluster = 16;   // blocks of a cluster (16: the non-portable size on sm_90)
+#ifndef MOE_ROUTER_HIDDEN_MAX_CLUSTER  // benchmarks/micro/router_latency.cu builds it with 8 as well
+#define MOE_ROUTER_HIDDEN_MAX_CLUSTER 16
+#endif
+constexpr int kHiddenMaxCluster = MOE_ROUTER_HIDDEN_MAX_CLUSTER;  // blocks of a cluster (16: non-portable, sm_90)
+#ifdef MOE_ROUTER_TRACE  // router_latency.cu's phase trace: block 0's SM clock at each mark
+__device__ long long router_trace[8];
+#define MOE_ROUTER_MARK(i) (rank == 0 && threadIdx.x == 0 ? void(router_trace[i] = clock64()) : void())
+#else
+#define MOE_ROUTER_MARK(i) void()
+#endif
 constexpr int kHiddenMinRows = 64;      // rows per block at least
 constexpr int kHiddenMaxSlots = 8;      // E <= 256
 constexpr int64_t kHiddenMaxShared = 200 * 1024;
@@ -255,6 +285,7 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
   using gemm::decode::kVec;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
+  MOE_ROUTER_MARK(0);
   const int64_t H = a.hidden, E = a.route.experts;
   const int64_t layer = a.layer == nullptr ? 0 : gemm::decode::stacked_layer(a.layer, a.layers);
   RouterArgs r = a.route;
@@ -290,6 +321,7 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
     xs[i] = t < tokens && h0 + k < h1 ? x[(t0 + t) * H + h0 + k] : X(0.0f);
   }
   __syncthreads();
+  MOE_ROUTER_MARK(1);
 
   float acc[kTokens][kVec] = {};
   if (active) {
@@ -314,6 +346,7 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
       for (int u = 0; u < kHiddenBatch; ++u) wv[u] = next[u];
     }
   }
+  MOE_ROUTER_MARK(2);
   // Where the columns tile a warp (E / 8 a power of two below 32), the lanes of one column first
   // add their sums by shuffles, so that shared memory holds a row per warp, not per lane row:
   // with few experts (Mixtral's 8) the serial sum below would otherwise run over 256 rows.
@@ -340,7 +373,9 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
     for (int q = 0; q < red_rows; ++q) sum += red[q * kTokens * E + j];
     part[j] = sum;
   }
+  MOE_ROUTER_MARK(3);
   cluster.sync();  // every block's part is complete
+  MOE_ROUTER_MARK(4);
 
   // Block t % blocks finishes token t: the blocks' parts in rank order, then the route. A thread
   // issues its reads of every block's shared memory before adding any (one latency, not 16).
@@ -359,15 +394,18 @@ __global__ void __launch_bounds__(kHiddenThreads) router_hidden_kernel(RouterHid
       a.logits[(t0 + t) * E + e] = sum;
     }
     __syncthreads();
+    MOE_ROUTER_MARK(5);
     if (threadIdx.x < 32)
       route_token<float, kSlots>(r, int(threadIdx.x), t0 + t, row, staging, staging + E,
                                  reinterpret_cast<int32_t*>(staging + E + r.num_groups));
     __syncthreads();  // the row is rewritten by the block's next token
+    MOE_ROUTER_MARK(6);
   }
   // A block's shared memory outlives the other blocks' reads of it. Those reads are complete (their
   // values were added), so the arrival needs no memory ordering: no fence behind the global writes.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+  MOE_ROUTER_MARK(7);
 #endif
 }
 

@@ -9,7 +9,8 @@
 # Needs a CUDA GPU and the package installed.
 # Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and every case script; one
 # sanitizer-<cases>-<tool>.log per case script and tool; SANITIZE_TOOLS="memcheck initcheck"
-# runs only those tools)
+# runs only those tools). SCRIPT:A,B passes the script the arguments A B (a script that takes
+# them runs only those cases, e.g. sanitize_router_cases:route5; its logs are named -A,B-).
 # Prints one summary line per case script and tool; exits non-zero if any tool reports an error
 # or the cases do not finish.
 set -uo pipefail
@@ -37,9 +38,12 @@ run_tool() {
   [ "$rc" -eq 0 ] || status=1
 }
 
-for case in "${cases[@]}"; do
+for entry in "${cases[@]}"; do
+  case=${entry%%:*}
+  selected=()
+  [ "$entry" = "$case" ] || IFS=, read -ra selected <<<"${entry#*:}"
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
-    log="$log_dir/sanitizer-$case-$tool.log"
+    log="$log_dir/sanitizer-$case${selected[*]:+-${entry#*:}}-$tool.log"
     # racecheck checks only the kernels under test, not XLA's reference GEMMs (with them it runs for
     # many minutes). On the GEMM cases it checks CUTLASS's kernel alone: instrumenting our small
     # setup and zero-fill kernels, or our persistent dW kernel, stops the tool at once with an
@@ -52,9 +56,9 @@ for case in "${cases[@]}"; do
         run_tool "$case" "$tool" "$log_dir/sanitizer-$case-$tool-dw.log" --kernel-name kns=grouped_wgrad -- dw:persistent-tma dw:persistent-registers
       fi
     elif [ "$tool" = racecheck ]; then
-      run_tool "$case" "$tool" "$log" --kernel-name kns=moe
+      run_tool "$case" "$tool" "$log" --kernel-name kns=moe -- "${selected[@]}"
     else
-      run_tool "$case" "$tool" "$log"
+      run_tool "$case" "$tool" "$log" -- "${selected[@]}"
     fi
   done
 done

@@ -1,6 +1,11 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh) on route_tokens' fused router product
 and choice (cpp/router.cu, router_hidden; sm_90 only): each forced onto the kernel, past the
-router-size rule, and checked against route on the logits it returns."""
+router-size rule, and checked against route on the logits it returns.
+
+Arguments name the cases to run (route0 .. route5, stacked0, stacked1; default all), e.g.
+`scripts/sanitize.sh DIR sanitize_router_cases:route5` runs one case in its own process."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +62,21 @@ def run_stacked(T, H, E, K, layers=3, seed=1, **kw):
     return [np.asarray(a).shape for a in (got.ids, got.weights)]
 
 
+STACKED_CASES = [
+    dict(T=1, H=2048, E=128, K=8),
+    dict(T=2, H=512, E=64, K=4, scoring="sigmoid", with_bias=True, num_groups=8, topk_groups=4),
+]
+CASES = {**{f"route{i}": (run_route_tokens, c) for i, c in enumerate(ROUTE_TOKENS_CASES)},
+         **{f"stacked{i}": (run_stacked, c) for i, c in enumerate(STACKED_CASES)}}
+
+
 if __name__ == "__main__":
+    unknown = [name for name in sys.argv[1:] if name not in CASES]
+    if unknown:
+        sys.exit(f"unknown case(s) {unknown}; cases: {' '.join(CASES)}")
     if gemm_primitives.gpu_is_sm90():
         with router_kernel.hidden_kernel_wherever_it_fits():  # every case on the kernel
-            for case in ROUTE_TOKENS_CASES:
-                print("route_tokens", case, run_route_tokens(**case))
-            print("stacked", run_stacked(T=1, H=2048, E=128, K=8))
-            print("stacked", run_stacked(T=2, H=512, E=64, K=4, scoring="sigmoid", with_bias=True, num_groups=8,
-                                         topk_groups=4))
+            for name in sys.argv[1:] or CASES:
+                run, case = CASES[name]
+                print(name, case, run(**case))
     print("SANITIZE CASES DONE")
