@@ -43,6 +43,8 @@ NB_MODULE(_cuda, m) {
     d["ragged_dot_stacked"] = moe::capsule(MoeRaggedDotStackedCuda);
     d["moe_mlp_decode"] = moe::capsule(MoeMlpDecodeCuda);
     d["moe_mlp_decode_stacked"] = moe::capsule(MoeMlpDecodeStackedCuda);
+    d["moe_mlp_decode_residual"] = moe::capsule(MoeMlpDecodeResidualCuda);
+    d["moe_mlp_decode_stacked_residual"] = moe::capsule(MoeMlpDecodeStackedResidualCuda);
     d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);
     d["ragged_dot_wgrad_sm90"] = moe::capsule(MoeGroupedWgradCuda);
     d["down_backward"] = moe::capsule(MoeDownBackwardCuda);

@@ -6,9 +6,10 @@ same stack in pure JAX, and against the time to read the weights it routes to.
 
 The step is one `jax.jit` of a `lax.scan` over stacked per-layer weights (router [L, H, E],
 w_in [L, E, H, 2F], w_out [L, E, F, H], bf16; DeepSeek-V3 also a selection bias [L, E]), each
-layer `x = x + moe_mlp(x, r.weights, r.ids, w_in, w_out)` with `r = route_tokens(x, router, K,
-...)` (`route(router_logits(x, router), K, ...)`, one launch at decode sizes on sm_90) and the
-model's routing (MODELS). The pure-JAX stack is the same scan with
+layer `x = moe_mlp(x, r.weights, r.ids, w_in, w_out, residual=x)` (the block's residual add, which
+the fused decode kernels make in their last launch) with `r = route_tokens(x, router, K, ...)`
+(`route(router_logits(x, router), K, ...)`, one launch at decode sizes on sm_90) and the model's
+routing (MODELS). The pure-JAX stack is the same scan with
 `layer.reference_moe_mlp` (argsort + take, jax.lax.ragged_dot, gather + weighted sum). The
 "stacked" row is ours written the other way: a scan over the layer index that passes the stacks
 whole (`route_tokens(..., layer=i)`, `moe_mlp(..., layer=i)`), so that the decode kernels read
@@ -152,32 +153,38 @@ def decode_inputs(T: int, H: int, dtype=jnp.bfloat16, seed: int = 100) -> list:
             for i in range(N_INPUTS)]
 
 
-def moe_block(impl: str, model: DecodeModel):
-    """f(x [T, H], one layer's params) -> (x + the routed experts' output, ids [T, K])."""
-    mlp = layer.moe_mlp if impl == "ours" else layer.reference_moe_mlp
-
+def moe_block(impl: str, model: DecodeModel, residual: bool = True):
+    """f(x [T, H], one layer's params) -> (x + the routed experts' output, ids [T, K]); ours adds x
+    as moe_mlp's residual (`residual=False`: after the call, as its own XLA add)."""
     def block(x, p):
         r = route_tokens(x, p["router"], model.top_k, bias=p.get("bias"), **model.routing)
-        return x + mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
+        if impl == "ours" and residual:
+            return layer.moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"], residual=x), r.ids
+        if impl == "ours":
+            return x + layer.moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
+        return x + layer.reference_moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
 
     return block
 
 
-def decode_step(impl: str, model: DecodeModel, unroll: int = 1):
+def decode_step(impl: str, model: DecodeModel, unroll: int = 1, residual: bool = True):
     """step(x [T, H], stacked params) -> x after every layer: one scan over the layers
     (`unroll` layers per loop iteration; the layer count: no loop). "ours" and "pure_jax" scan
     over the stacks (XLA slices a layer's weights out of them); "stacked" scans over the layer
-    index and passes the stacks whole (route_tokens(..., layer=i), moe_mlp(..., layer=i))."""
+    index and passes the stacks whole (route_tokens(..., layer=i), moe_mlp(..., layer=i)).
+    `residual` as in moe_block."""
     if impl == "stacked":
         def body(x, i, params):
             r = route_tokens(x, params["router"], model.top_k, bias=params.get("bias"), layer=i, **model.routing)
-            return x + layer.moe_mlp(x, r.weights, r.ids, params["w_in"], params["w_out"], layer=i), None
+            y = layer.moe_mlp(x, r.weights, r.ids, params["w_in"], params["w_out"], layer=i,
+                              residual=x if residual else None)
+            return (y if residual else x + y), None
 
         def step(x, params):
             layers = jnp.arange(params["router"].shape[0], dtype=jnp.int32)
             return jax.lax.scan(lambda x, i: body(x, i, params), x, layers, unroll=unroll)[0]
         return step
-    block = moe_block(impl, model)
+    block = moe_block(impl, model, residual)
     return lambda x, params: jax.lax.scan(lambda x, p: (block(x, p)[0], None), x, params, unroll=unroll)[0]
 
 

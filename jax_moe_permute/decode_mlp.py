@@ -4,6 +4,8 @@
                   -> out [T, H'] = sum_k weights[t, k] * MLP_{ids[t, k]}(x[t])
   moe_mlp_decode  (..., w_in [NL, L, H, C], w_out [NL, L, F, H'], layer [] int32)  (stacked)
                   -> the same with w_in[layer], w_out[layer]
+  moe_mlp_decode  (..., residual [T, H'])  (with_residual, either form)
+                  -> residual + out: a decoder block's residual add, in the kernels' last launch
 
 On sm_90 it lowers to the fused decode kernels (cpp/gemm/moe_mlp_decode.cu: two launches in place of
 permute, two grouped GEMMs with their partial sums, the activation and the weighted unpermute),
@@ -56,52 +58,69 @@ def kernel_applies(x, ids, w_in, w_out) -> bool:
     return _kernel_fits(x, ids, w_in, w_out) and gemm_primitives.use_decode_kernel(1, T * K, L)
 
 
-def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None):
+def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None, residual=None):
     """Binds the primitive (arguments checked by `layer.moe_mlp`); with `layer`, w_in and w_out
-    are stacks over the model's layers."""
+    are stacks over the model's layers; with `residual` ([T, H'] in x's dtype) the result is
+    residual + the weighted sum."""
     args = [x, weights.astype(jnp.float32), ids.astype(jnp.int32), w_in, w_out]
     if layer is not None:  # the stacked form: one more operand
         args.append(jnp.asarray(layer, jnp.int32).reshape(()))
-    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation)
+    if residual is not None:
+        args.append(residual)
+    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation,
+                                 with_residual=residual is not None)
 
 
-def _unfused(x, weights, ids, w_in, w_out, layer=None, *, activation):
+def _layer_and_residual(rest, with_residual):
+    """The optional operands after w_out: ([layer] or [], residual or None)."""
+    return (rest[:-1], rest[-1]) if with_residual else (rest, None)
+
+
+def _unfused(x, weights, ids, w_in, w_out, *rest, activation, with_residual):
     from . import layer as layer_module  # it binds this primitive: import it when first lowered
 
+    layer, residual = _layer_and_residual(rest, with_residual)
+    layer = layer[0] if layer else None
     w_in, w_out = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
-    return layer_module.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
+    out = layer_module.unfused_routed_experts(x, weights, ids, w_in, w_out, activation)
+    return out if residual is None else out + residual
 
 
-def _abstract(x, weights, ids, w_in, w_out, *layer, activation):
+def _abstract(x, weights, ids, w_in, w_out, *rest, activation, with_residual):
     # Like the token operands (the bind made every operand vary along the same manual axes).
     return _compat.shaped_like((x, weights, ids), (x.shape[0], w_out.shape[-1]), x.dtype)
 
 
-def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *layer, activation):
+def _lower_cuda(ctx, x, weights, ids, w_in, w_out, *rest, activation, with_residual):
     x_aval, _, ids_aval, w_in_aval, w_out_aval = ctx.avals_in[:5]
     if not _kernel_fits(x_aval, ids_aval, w_in_aval, w_out_aval):  # e.g. float32, called directly
-        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, *layer, activation=activation)
+        return _lower_unfused(ctx, x, weights, ids, w_in, w_out, *rest, activation=activation,
+                              with_residual=with_residual)
     (T, H), K, (L, _, C), (F, H_out) = x_aval.shape, ids_aval.shape[1], w_in_aval.shape[-3:], w_out_aval.shape[-2:]
     code = ACTIVATION_CODES[activation]
     nbytes = _native.workspace_bytes("cuda", "moe_mlp_decode", T, K, L, H, F, C, H_out, code)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, core.ShapedArray((max(int(nbytes), 1),), jnp.uint8)])
-    call = jax.ffi.ffi_lowering(_native.target("moe_mlp_decode_stacked" if layer else "moe_mlp_decode"))
-    return call(ctx, x, weights, ids, w_in, w_out, *layer, activation=np.int64(code))[:-1]
+    layer, _ = _layer_and_residual(rest, with_residual)
+    name = "moe_mlp_decode" + ("_stacked" if layer else "") + ("_residual" if with_residual else "")
+    call = jax.ffi.ffi_lowering(_native.target(name))
+    return call(ctx, x, weights, ids, w_in, w_out, *rest, activation=np.int64(code))[:-1]
 
 
-def _batch(args, dims, *, activation):
+def _batch(args, dims, *, activation, with_residual):
     """A vmapped call runs the unfused composition (whose ops batch into single launches)."""
-    return jax.vmap(functools.partial(_unfused, activation=activation), in_axes=dims)(*args), 0
+    unfused = functools.partial(_unfused, activation=activation, with_residual=with_residual)
+    return jax.vmap(unfused, in_axes=dims)(*args), 0
 
 
-def _jvp(primals, tangents, *, activation):
+def _jvp(primals, tangents, *, activation, with_residual):
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(functools.partial(_unfused, activation=activation), tuple(primals), tangents)
+    unfused = functools.partial(_unfused, activation=activation, with_residual=with_residual)
+    return jax.jvp(unfused, tuple(primals), tangents)
 
 
 _lower_unfused = mlir.lower_fun(_unfused, multiple_results=False)
 
-moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation",)))
+moe_mlp_decode_p.def_impl(jax.jit(moe_mlp_decode_p.bind, static_argnames=("activation", "with_residual")))
 moe_mlp_decode_p.def_abstract_eval(_abstract)
 mlir.register_lowering(moe_mlp_decode_p, _lower_unfused)
 batching.primitive_batchers[moe_mlp_decode_p] = _batch

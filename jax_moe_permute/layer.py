@@ -152,6 +152,7 @@ def moe_mlp(
     expert_map: Optional[jax.Array] = None,
     num_local_experts: Optional[int] = None,
     layer=None,
+    residual: Optional[jax.Array] = None,
 ) -> jax.Array:
     """The routed experts' weighted sum: out[t] = sum_k weights[t,k] * MLP_{ids[t,k]}(x[t]).
 
@@ -170,6 +171,9 @@ def moe_mlp(
         In a decode step the fused decode
         kernels read that layer on the device, where a slice of the stack made in the scan would
         cost XLA a host round trip per layer (docs/layer.md, "Stacked layers").
+      residual: optional [T, H'] in x's dtype, added to the result (a decoder block's
+        `x + moe_mlp(x, ...)`, equal to that add): the fused decode kernels add it in their last
+        launch, which saves the add's own launch in a decode step.
 
     Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
     """
@@ -201,7 +205,12 @@ def moe_mlp(
                              f"got {getattr(a, 'shape', type(a))}")
     if weights.shape != ids.shape:
         raise ValueError(f"moe_mlp: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must have equal shapes")
-    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer,
+    if residual is not None:
+        want = (x.shape[0], w_out.shape[-1])
+        if not hasattr(residual, "shape") or tuple(residual.shape) != want or residual.dtype != x.dtype:
+            raise ValueError(f"moe_mlp: residual must have shape {want} and x's dtype {x.dtype}, got "
+                             f"{getattr(residual, 'shape', type(residual))} {getattr(residual, 'dtype', '')}")
+    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer, residual,
                            activation, num_experts, num_local_experts)
 
 
@@ -220,18 +229,26 @@ def moe_mlp(
 # same kernels.
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8, 9))
-def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, activation, num_experts, num_local_experts):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9, 10))
+def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, residual, activation, num_experts,
+                    num_local_experts):
     if decode_mlp.kernel_applies(x, ids, w_in, w_out):  # a decode step: the fused kernels
         local = ids if expert_map is None else _local_ids(ids, expert_map)
-        return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer)
+        return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer,
+                                         residual=residual)
     w_in_layer, w_out_layer = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
     if _gathers(x, ids, w_in_layer, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
-        return ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype)
-    # stacked weights stay whole: the grouped GEMMs read the layer on the device
-    return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer)
+        out = ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype)
+    else:  # stacked weights stay whole: the grouped GEMMs read the layer on the device
+        out = unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer)
+    return _plus(out, residual)
+
+
+def _plus(a, b):
+    """a + b where b (a residual or its tangent) is given."""
+    return a if b is None else a + b
 
 
 def _gathers(x, ids, w_in, activation, differentiated=False) -> bool:
@@ -289,8 +306,8 @@ def _live(t):
 
 @functools.partial(_routed_experts.defjvp, symbolic_zeros=True)
 def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tangents):
-    x, weights, ids, w_in, w_out, expert_map, layer = primals
-    dx, dweights, _, dw_in, dw_out, _, _ = (t if _live(t) else None for t in tangents)
+    x, weights, ids, w_in, w_out, expert_map, layer, residual = primals
+    dx, dweights, _, dw_in, dw_out, _, _, dresidual = (t if _live(t) else None for t in tangents)
     w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
     if _gathers(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
@@ -301,9 +318,9 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
         gate_up = ragged_dot(res.hidden, w_in, sizes)
         h = apply_activation(gate_up, activation)
     num_rows = gate_up.shape[0]
-    out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype)
+    out = _plus(ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype), residual)
     if dx is None and dweights is None and dw_in is None and dw_out is None:
-        return out, jnp.zeros_like(out)
+        return out, jnp.zeros_like(out) if dresidual is None else dresidual
 
     d_gate_up = []
     if dx is not None:
@@ -316,7 +333,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     dw_rows = None if dweights is None else _weights_to_rows(dweights, row_map, num_rows)
 
     d_y = _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows)
-    return out, ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype)
+    return out, _plus(ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype), dresidual)
 
 
 # The pieces the Flax modules share (they import flax; this file does not).

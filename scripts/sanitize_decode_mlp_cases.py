@@ -1,13 +1,13 @@
 """Small cases of the fused decode MLP (cpp/gemm/moe_mlp_decode.cu) for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_decode_mlp_cases.py
+    compute-sanitizer --tool memcheck --target-processes application-only python3 scripts/sanitize_decode_mlp_cases.py
 
 Both forms of the kernels (JAX_MOE_PERMUTE_DECODE_MLP=split, slices), every activation, bf16 and
 f16, ids past the experts, -1 and repeated, several splits of H and F, a strip past the last
 column, more output strips than a block's warps and a partial slice of F, many pairs per expert
 (the kernels forced), and the stacked form
 (weights stacked over 3 layers, the layer read on the device: the last one as 2, as -1 and as 7,
-which clamps); each result checked against a float64 NumPy reference on the host, so an
+which clamps), with the block's residual added; each result checked against a float64 NumPy reference on the host, so an
 uninitialised read also shows as a mismatch."""
 
 import os
@@ -86,6 +86,12 @@ def main():
             for layer in (2, -1, 7):
                 out = np.asarray(f(x, w, jnp.asarray(ids), stack_in, stack_out, layer), np.float64)
                 assert np.abs(out - ref).max() <= tol, (form, dtype, activation, "stacked", layer)
+            # With the block's residual added in the last launch.
+            g = jax.jit(lambda x, w, ids, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation, layer=2,
+                                                               residual=x))
+            assert "moe_mlp_decode_stacked_residual" in g.lower(x, w, ids, stack_in, stack_out).as_text()
+            out = np.asarray(g(x, w, jnp.asarray(ids), stack_in, stack_out), np.float64)
+            assert np.abs(out - ref - np.asarray(x, np.float64)).max() <= tol, (form, dtype, activation, "residual")
     print("SANITIZE DECODE MLP CASES DONE")
 
 

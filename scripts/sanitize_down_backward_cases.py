@@ -1,7 +1,7 @@
 """Small cases of the d lhs GEMM with the activation's backward in its epilogue
 (cpp/gemm/down_backward.cu) for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_down_backward_cases.py
+    compute-sanitizer --tool memcheck --target-processes application-only python3 scripts/sanitize_down_backward_cases.py
 
 Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
 around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a

@@ -1,7 +1,7 @@
 """Small cases of the fused gather + grouped GEMM + activation (cpp/gemm/gather_gemm.cu) for
 compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gather_gemm_cases.py
+    compute-sanitizer --tool memcheck --target-processes application-only python3 scripts/sanitize_gather_gemm_cases.py
 
 Every activation the kernel takes, bf16 and f16, the pre-activation output on and off, tokens -1
 and past T, empty groups, a one-row group, groups around the 128-row tile, rows past the groups'

@@ -1,6 +1,6 @@
 """Small grouped-GEMM cases for compute-sanitizer (memcheck, racecheck, initcheck):
 
-    compute-sanitizer --tool memcheck --target-processes all python3 scripts/sanitize_gemm_cases.py [TILE ...]
+    compute-sanitizer --tool memcheck --target-processes application-only python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
 with each epilogue, dw:persistent-tma and dw:persistent-registers, unless some are named:

@@ -214,3 +214,61 @@ def test_fused_expert_map_and_grads():
     ref = jax.grad(loss(dense_moe), (0, 1, 2, 3))(f32(x), w, f32(w_in), f32(w_out))
     for a, b in zip(grads, ref):
         assert_close_to(a, b, 3e-2)
+
+
+# ---- The block's residual add (moe_mlp's `residual`) -------------------------------------------
+
+def residual_pair(activation="swiglu", **kw):
+    """moe_mlp with `residual` and the plain `r + moe_mlp(...)`, each freshly jitted."""
+    fused = jax.jit(lambda x, w, ids, wi, wo, r: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation, residual=r,
+                                                              **kw))
+    plain = jax.jit(lambda x, w, ids, wi, wo, r: r + jmp.moe_mlp(x, w, ids, wi, wo, activation=activation, **kw))
+    return fused, plain
+
+
+@pytest.mark.parametrize("T,E,K,H,F", [(1, 64, 4, 16, 8), (6, 8, 2, 24, 16), (0, 4, 2, 8, 8)])
+def test_residual_equals_the_add(T, E, K, H, F):
+    """Equal to the add after the call (bitwise: one rounding of the same sum), on a decode-sized
+    and a larger call; gradients through both the same; the unfused primitive (CPU) too."""
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    r = random_float((T, H), jnp.bfloat16)
+    fused, plain = residual_pair()
+    np.testing.assert_array_equal(np.asarray(fused(x, w, ids, w_in, w_out, r), np.float32),
+                                  np.asarray(plain(x, w, ids, w_in, w_out, r), np.float32))
+    primitive = jax.jit(lambda *a: decode_mlp.moe_mlp_decode(*a[:5], activation="swiglu", residual=a[5]))
+    assert_close_to(primitive(x, w, ids, w_in, w_out, r), plain(x, w, ids, w_in, w_out, r), 2e-2)
+    if not T:
+        return
+    loss = lambda call: jax.jit(jax.grad(lambda x, wi, r: jnp.sum(call(x, w, ids, wi, w_out, r).astype(jnp.float32)
+                                                                  ** 2), argnums=(0, 1, 2)))
+    for got, want in zip(loss(fused)(x, w_in, r), loss(plain)(x, w_in, r)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    batched = jax.jit(jax.vmap(lambda x, r: jmp.moe_mlp(x, w, ids, w_in, w_out, residual=r)))
+    stacked_x, stacked_r = jnp.stack([x, -x]), jnp.stack([r, r])
+    for v in range(2):
+        assert_close_to(batched(stacked_x, stacked_r)[v], plain(stacked_x[v], w, ids, w_in, w_out, r), 2e-2)
+
+
+def test_residual_bad_arguments():
+    x, w, ids, w_in, w_out = decode_inputs(2, 4, 2, 8, 8)
+    for bad in (jnp.zeros((2, 9), jnp.bfloat16), jnp.zeros((3, 8), jnp.bfloat16), jnp.zeros((2, 8), jnp.float32)):
+        with pytest.raises(ValueError, match="residual"):
+            jmp.moe_mlp(x, w, ids, w_in, w_out, residual=bad)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,E,K,H,F", [(1, 128, 8, 2048, 768), (4, 64, 4, 264, 48)])
+def test_fused_residual(T, E, K, H, F, form):
+    """The fused kernels add the residual in their last launch: the add's own kernel is gone, the
+    result equal to it bitwise; the stacked form too."""
+    x, w, ids, w_in, w_out = decode_inputs(T, E, K, H, F)
+    ids = with_bad_ids(ids, E)
+    fused, plain = residual_pair()
+    assert FUSED_TARGET + "_residual" in lowered_text(fused, x, w, ids, w_in, w_out, x)
+    np.testing.assert_array_equal(np.asarray(fused(x, w, ids, w_in, w_out, x), np.float32),
+                                  np.asarray(plain(x, w, ids, w_in, w_out, x), np.float32))
+    stacks = [jnp.stack([a * 0.5, a]) for a in (w_in, w_out)]
+    stacked = jax.jit(lambda x, wi, wo, i: jmp.moe_mlp(x, w, ids, wi, wo, layer=i, residual=x))
+    assert FUSED_TARGET + "_stacked_residual" in lowered_text(stacked, x, *stacks, 1)
+    np.testing.assert_array_equal(np.asarray(stacked(x, *stacks, 1), np.float32),
+                                  np.asarray(plain(x, w, ids, w_in, w_out, x), np.float32))

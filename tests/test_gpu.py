@@ -105,7 +105,8 @@ def test_large_batches_match_reference(T, H, E, K):
 
 
 # A decode step as serving code writes it: a jitted lax.scan over stacked layer weights, each
-# layer x + moe_mlp(x, route_tokens(x, router)); replayed on new inputs in new buffers each call.
+# layer x + moe_mlp(x, route_tokens(x, router)) (ours: the add as moe_mlp's residual); replayed on new
+# inputs in new buffers each call.
 DECODE_STEP_SCRIPT = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -119,7 +120,10 @@ DECODE_STEP_SCRIPT = textwrap.dedent("""
         # choose the same experts and differ by rounding only.
         def layer(h, w):
             r = jmp.route_tokens(x, w[0], K)  # route(router_logits(x, w[0]), K), one launch here
-            return h + mlp(h, r.weights, r.ids, w[1].astype(dtype), w[2].astype(dtype)), None
+            w_in, w_out = w[1].astype(dtype), w[2].astype(dtype)
+            if mlp is jmp.moe_mlp:
+                return mlp(h, r.weights, r.ids, w_in, w_out, residual=h), None
+            return h + mlp(h, r.weights, r.ids, w_in, w_out), None
         return jax.lax.scan(layer, x.astype(dtype), (router, w_in, w_out))[0]
 
     ours = jax.jit(lambda *a: step(*a, jmp.moe_mlp, jnp.bfloat16))
@@ -158,6 +162,8 @@ def test_decode_step_graph_replay(tokens, flags):
     assert "REPLAYED" in out.stdout
     if tokens <= 8:  # the fused router (product and choice) is in the step
         assert "jax_moe_permute.router_hidden" in out.stdout, out.stdout
+    if tokens == 1:  # and the fused decode MLP with the residual add
+        assert "jax_moe_permute.moe_mlp_decode_residual" in out.stdout, out.stdout
     print(out.stdout)
 
 

@@ -5,7 +5,8 @@ against each other on the same weights (GPU only):
     python benchmarks/micro/decode_step_ab.py MODEL LAYERS TOKENS SETTINGS [UNROLL]
     e.g. qwen3 12 1,8 default,MOE_GROUPED_GEMM_TILE=decode,MOE_GROUPED_GEMM_TILE=decode+JAX_MOE_PERMUTE_DECODE_PDL=0
 
-SETTINGS: comma-separated, each `default` or NAME=VALUE joined by `+`. UNROLL: layers a loop
+SETTINGS: comma-separated, each `default` or NAME=VALUE joined by `+`; `residual=0` (not an
+environment variable) adds x after moe_mlp instead of as its residual. UNROLL: layers a loop
 iteration (0, the default: all of them, one CUDA graph a step, whose span is the device time).
 Prints per layer: the wall clock (median of 30 steps over four inputs), the trace's span (first
 kernel start to last kernel end) and kernel-time sum, kernels and graphs a step.
@@ -28,22 +29,22 @@ def settings_of(text):
     return [{} if s == "default" else dict(kv.split("=", 1) for kv in s.split("+")) for s in text.split(",")]
 
 
-def compiled_step(model, params, x, unroll):
-    return jax.jit(bd.decode_step("ours", model, unroll)).lower(x, params).compile()
+def compiled_step(model, params, x, unroll, residual=True, impl="ours"):
+    return jax.jit(bd.decode_step(impl, model, unroll, residual)).lower(x, params).compile()
 
 
 def per_layer(name, layers, tokens, settings, unroll=0):
     model = bd.MODELS[name]
     params = bd.stacked_weights(model, layers)
-    names = {k for s in settings for k in s}
+    names = {k for s in settings for k in s} - {"residual"}
     for T in tokens:
         xs = bd.decode_inputs(T, model.hidden)
         for setting in settings:
             for k in names:
                 os.environ.pop(k, None)
-            os.environ.update(setting)
+            os.environ.update({k: v for k, v in setting.items() if k != "residual"})
             u = unroll or layers
-            c = compiled_step(model, params, xs[0], u)
+            c = compiled_step(model, params, xs[0], u, residual=setting.get("residual", "1") != "0")
             wall = bd.wall_us(c, xs, params, steps=30, warmup=5)
             p = bd.profile_or_note(c, xs[0], params, iterations=5)  # (None: no device trace, e.g. on CPU)
             each = lambda key, width: "-".rjust(width) if p[key] is None else f"{p[key] / layers:{width}.1f}"

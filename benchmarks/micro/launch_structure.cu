@@ -157,22 +157,8 @@ int main(int argc, char** argv) {
       (void)cudaGetLastError();
       printf("%-11s not captured (%s): timed as host launches\n", name, cudaGetErrorString(e));
     }
-    cudaEvent_t t0, t1;
-    CK(cudaEventCreate(&t0));
-    CK(cudaEventCreate(&t1));
-    std::vector<float> times;
-    for (int r = 0; r < replays + 2; ++r) {
-      CK(cudaEventRecord(t0, s));
-      if (graphed) CK(cudaGraphLaunch(exec, s));
-      else CK(record(name));
-      CK(cudaEventRecord(t1, s));
-      CK(cudaEventSynchronize(t1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, t0, t1));
-      if (r >= 2) times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    const double us = 1e3 * times[times.size() / 2] / L;
+    const float ms = median_ms(s, replays, [&] { return graphed ? cudaGraphLaunch(exec, s) : record(name); });
+    const double us = 1e3 * ms / L;
     if (!strcmp(name, "read")) read_us = us;
     printf("%-11s %8.2f us a layer  %5.2fx read  (experts at %.2f TB/s)\n", name, us, us / read_us,
            kExpertBytes / us / 1e6);

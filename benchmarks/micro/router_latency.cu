@@ -127,21 +127,8 @@ int main(int argc, char** argv) {
     CK(cudaStreamEndCapture(s, &graph));
     CK(recorded);
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t t0, t1;
-    CK(cudaEventCreate(&t0));
-    CK(cudaEventCreate(&t1));
-    std::vector<float> times;
-    for (int r = 0; r < replays + 2; ++r) {
-      CK(cudaEventRecord(t0, s));
-      CK(cudaGraphLaunch(exec, s));
-      CK(cudaEventRecord(t1, s));
-      CK(cudaEventSynchronize(t1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, t0, t1));
-      if (r >= 2) times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    printf("%-16s %6.2f us a launch\n", name, 1e3 * times[times.size() / 2] / L);
+    const float ms = median_ms(s, replays, [&] { return cudaGraphLaunch(exec, s); });
+    printf("%-16s %6.2f us a launch\n", name, 1e3 * ms / L);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
   }

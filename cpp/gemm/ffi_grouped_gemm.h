@@ -13,6 +13,8 @@ XLA_FFI_Error* MoeRaggedDotDecodeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeRaggedDotStackedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeStackedCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeMlpDecodeResidualCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeMlpDecodeStackedResidualCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeGatherGemmCuda(XLA_FFI_CallFrame* call_frame);    // ffi_gather_gemm_cuda.cc
 XLA_FFI_Error* MoeGroupedWgradCuda(XLA_FFI_CallFrame* call_frame);  // ffi_grouped_wgrad_cuda.cc
 XLA_FFI_Error* MoeDownBackwardCuda(XLA_FFI_CallFrame* call_frame);  // ffi_down_backward_cuda.cc

@@ -190,9 +190,11 @@ MoeMlpDecodeArgs mlp_decode_args(int64_t tokens, int64_t top_k, int64_t experts,
 // The routed experts' MLP of a decode step (moe_mlp_decode.cu), chosen at lowering. With `layer`
 // (a device scalar) w_in and w_out are stacks [layers, E, ...] and the kernels read that layer's
 // experts: no XLA slice of the stack (whose dynamic offset XLA would copy to the host and wait for).
+// With `residual` ([T, H'], x's dtype) the output is residual + the sum (the block's residual add).
 ffi::Error mlp_decode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
-                      ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, const I32Buffer* layer, int64_t activation,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+                      ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, const I32Buffer* layer,
+                      const ffi::AnyBuffer* residual, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> workspace) {
   auto xd = x.dimensions(), wd = weights.dimensions(), id = ids.dimensions(), ind = w_in.dimensions(),
        outd = w_out.dimensions(), od = out->dimensions();
   const size_t lead = layer != nullptr ? 1 : 0;  // the stack's layer dimension
@@ -215,6 +217,12 @@ ffi::Error mlp_decode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F3
     if (ind[0] != outd[0] || ind[0] < 1) return invalid("moe_mlp decode: w_in and w_out must stack one layer count");
     a.layer = layer->typed_data(), a.layers = ind[0];
   }
+  if (residual != nullptr) {
+    auto rd = residual->dimensions();
+    if (residual->element_type() != x.element_type() || rd.size() != 2 || rd[0] != a.tokens || rd[1] != a.out_cols)
+      return invalid("moe_mlp decode: residual must be [T, H'] of x's dtype");
+    a.residual = residual->untyped_data();
+  }
   if (!moe_mlp_decode_fits(a)) return invalid("moe_mlp decode: shapes outside the kernel's range");
   a.x = x.untyped_data(), a.weights = weights.typed_data(), a.ids = ids.typed_data();
   a.w_in = w_in.untyped_data(), a.w_out = w_out.untyped_data(), a.out = out->untyped_data();
@@ -223,16 +231,50 @@ ffi::Error mlp_decode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F3
   return gemm_error(moe_mlp_decode(*dtype, a, stream));
 }
 
+// The operands every decode MLP handler starts with: x [T, H], weights [T, K], ids [T, K],
+// w_in [(L,) E, H, C], w_out [(L,) E, F, H'].
+auto mlp_decode_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<Stream>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<I32Buffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>();
+}
+
+// And how each ends, after its own operands: the activation, out [T, H'] and the workspace.
+template <class Binding>
+auto mlp_decode_results(Binding operands) {
+  return std::move(operands)
+      .template Attr<int64_t>("activation")
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
 ffi::Error MoeMlpDecode(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
                         ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::AnyBuffer> workspace) {
-  return mlp_decode(stream, x, weights, ids, w_in, w_out, nullptr, activation, out, workspace);
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, nullptr, nullptr, activation, out, workspace);
+}
+
+ffi::Error MoeMlpDecodeResidual(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
+                                ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, ffi::AnyBuffer residual, int64_t activation,
+                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, nullptr, &residual, activation, out, workspace);
 }
 
 ffi::Error MoeMlpDecodeStacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights, I32Buffer ids,
                                ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, I32Buffer layer, int64_t activation,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  return mlp_decode(stream, x, weights, ids, w_in, w_out, &layer, activation, out, workspace);
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, &layer, nullptr, activation, out, workspace);
+}
+
+ffi::Error MoeMlpDecodeStackedResidual(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
+                                       I32Buffer ids, ffi::AnyBuffer w_in, ffi::AnyBuffer w_out, I32Buffer layer,
+                                       ffi::AnyBuffer residual, int64_t activation, ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Result<ffi::AnyBuffer> workspace) {
+  return mlp_decode(stream, x, weights, ids, w_in, w_out, &layer, &residual, activation, out, workspace);
 }
 
 // out[b, g] [K, N] = lhs[b] rows of g ([rows, K]) transposed times rhs[b] rows of g ([rows, N]).
@@ -343,30 +385,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRaggedDotDecodeCuda, moe::gemm::RaggedDotDecode
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-// Graph-safe: two kernels whose grids depend on the shapes only, counters zeroed on the device.
+// Graph-safe: two kernels whose grids depend on the shapes only, counters zeroed on the device;
+// then the same on stacked weights (the layer read on the device), and both with the block's
+// residual added to the output.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeCuda, moe::gemm::MoeMlpDecode,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<moe::gemm::Stream>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<moe::gemm::I32Buffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("activation")
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
+                              moe::gemm::mlp_decode_results(moe::gemm::mlp_decode_operands()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-// The same on stacked weights, the layer read on the device: graph-safe as above.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeStackedCuda, moe::gemm::MoeMlpDecodeStacked,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<moe::gemm::Stream>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x [T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights [T, K]
-                                  .Arg<moe::gemm::I32Buffer>()             // ids [T, K]
-                                  .Arg<xla::ffi::AnyBuffer>()              // w_in [L, E, H, C]
-                                  .Arg<xla::ffi::AnyBuffer>()              // w_out [L, E, F, H']
-                                  .Arg<moe::gemm::I32Buffer>()             // layer []
-                                  .Attr<int64_t>("activation")
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
+                              moe::gemm::mlp_decode_results(
+                                  moe::gemm::mlp_decode_operands().Arg<moe::gemm::I32Buffer>()),  // layer []
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeResidualCuda, moe::gemm::MoeMlpDecodeResidual,
+                              moe::gemm::mlp_decode_results(
+                                  moe::gemm::mlp_decode_operands().Arg<xla::ffi::AnyBuffer>()),  // residual
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeMlpDecodeStackedResidualCuda, moe::gemm::MoeMlpDecodeStackedResidual,
+                              moe::gemm::mlp_decode_results(moe::gemm::mlp_decode_operands()
+                                                                .Arg<moe::gemm::I32Buffer>()     // layer []
+                                                                .Arg<xla::ffi::AnyBuffer>()),  // residual
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -202,6 +202,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) gate_up_kernel(MoeMlpD
   if (col0 + threadIdx.x < a.in_cols) partials[(split * plan.pairs + p) * a.in_cols + col0 + threadIdx.x] = sum;
 }
 
+// out[i] = the weighted sum, rounded to E, plus the residual where there is one: in float32, rounded
+// once more, as XLA adds two arrays of E.
+template <class E>
+__device__ __forceinline__ void store_output(const MoeMlpDecodeArgs& a, int64_t i, float sum) {
+  float value = round_to<E>(sum);
+  if (a.residual != nullptr) value += to_float(static_cast<const E*>(a.residual)[i]);
+  static_cast<E*>(a.out)[i] = from_float<E>(value);
+}
+
 template <class E, MlpActivation A>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDecodeArgs a, Plan plan) {
   __shared__ float red[kWarps][kStrip];
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_kernel(MoeMlpDeco
       }
     }
   }
-  if (col_ok) static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(out);
+  if (col_ok) store_output<E>(a, t * a.out_cols + col, out);
 }
 
 // ---- The slice form: one cluster per (pair, slice of F), then a sum launch -------------------
@@ -468,7 +477,7 @@ __global__ void __launch_bounds__(kThreads) slice_sum_kernel(MoeMlpDecodeArgs a,
   float total = 0.0f;
 #pragma unroll
   for (int g = 0; g < kSumGroups; ++g) total += sums[g][threadIdx.x];
-  static_cast<E*>(a.out)[t * a.out_cols + col] = from_float<E>(total);
+  store_output<E>(a, t * a.out_cols + col, total);
 }
 
 // JAX_MOE_PERMUTE_DECODE_PDL=0 launches the two kernels one after the other, for profiles that

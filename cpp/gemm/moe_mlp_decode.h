@@ -28,6 +28,9 @@ struct MoeMlpDecodeArgs {
   // XLA slice of the stack), wrapped and clamped as dynamic_slice does. Null: unstacked.
   const int32_t* layer = nullptr;
   int64_t layers = 1;
+  // [T, H'] or null: out = residual + the sum, rounded as XLA's add of the two in T (the residual
+  // add of a decoder block, without a launch of its own).
+  const void* residual = nullptr;
   void* out = nullptr;             // [T, H']
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
