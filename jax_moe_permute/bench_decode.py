@@ -158,11 +158,10 @@ def moe_block(impl: str, model: DecodeModel, residual: bool = True):
     as moe_mlp's residual (`residual=False`: after the call, as its own XLA add)."""
     def block(x, p):
         r = route_tokens(x, p["router"], model.top_k, bias=p.get("bias"), **model.routing)
+        args = (x, r.weights, r.ids, p["w_in"], p["w_out"])
         if impl == "ours" and residual:
-            return layer.moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"], residual=x), r.ids
-        if impl == "ours":
-            return x + layer.moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
-        return x + layer.reference_moe_mlp(x, r.weights, r.ids, p["w_in"], p["w_out"]), r.ids
+            return layer.moe_mlp(*args, residual=x), r.ids
+        return x + (layer.moe_mlp if impl == "ours" else layer.reference_moe_mlp)(*args), r.ids
 
     return block
 
