@@ -1,4 +1,5 @@
-// The micro benchmarks' CUDA error check (print the error and its line, then exit) and timing.
+// The micro benchmarks' CUDA error check (print the error and its line, then exit), a launch with
+// one launch attribute, and timing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,4 +39,18 @@ float median_ms(cudaStream_t s, int replays, Launch&& launch) {
   CK(cudaEventDestroy(t1));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+// kernel<<<blocks, threads, 0, s>>>(args...) with `attribute` (null: none), by cudaLaunchKernelEx.
+template <class... Params, class... Args>
+cudaError_t launch_with(void (*kernel)(Params...), int blocks, int threads, cudaStream_t s,
+                        const cudaLaunchAttribute* attribute, const Args&... args) {
+  cudaLaunchConfig_t c = {};
+  c.gridDim = dim3(blocks);
+  c.blockDim = dim3(threads);
+  c.stream = s;
+  cudaLaunchAttribute a = attribute != nullptr ? *attribute : cudaLaunchAttribute{};
+  c.attrs = &a;
+  c.numAttrs = attribute != nullptr ? 1 : 0;
+  return cudaLaunchKernelEx(&c, kernel, args...);
 }

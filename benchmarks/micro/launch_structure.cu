@@ -74,21 +74,15 @@ __global__ void __launch_bounds__(kThreads) layer_kernel(Layer layer, bool waits
   read_range(layer.x, kAddBytes, b, kAddBlocks, sink);
 }
 
-// One launch of kernel with one attribute: programmatic serialization (PDL) or a cooperative grid.
+// One launch of kernel, `on`: with programmatic serialization (PDL) or as a cooperative grid.
 template <class... Params, class... Args>
 cudaError_t launch(void (*kernel)(Params...), int blocks, cudaLaunchAttributeID id, bool on, cudaStream_t s,
                    const Args&... args) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(blocks);
-  c.blockDim = dim3(kThreads);
-  c.stream = s;
   cudaLaunchAttribute a = {};
   a.id = id;
   if (id == cudaLaunchAttributeCooperative) a.val.cooperative = 1;
   else a.val.programmaticStreamSerializationAllowed = 1;
-  c.attrs = &a;
-  c.numAttrs = on ? 1 : 0;
-  return cudaLaunchKernelEx(&c, kernel, args...);
+  return launch_with(kernel, blocks, kThreads, s, on ? &a : nullptr, args...);
 }
 
 cudaError_t read_launch(int blocks, bool dependent, cudaStream_t s, const uint4* p, int64_t bytes, unsigned* sink) {

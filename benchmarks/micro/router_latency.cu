@@ -39,23 +39,18 @@ __global__ void read_kernel(const uint4* p, unsigned* sink) {
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;  // practically never: keeps the loads
 }
 
+// kBlocks blocks of kernel, in clusters of `cluster` (1: no cluster).
 template <class... Params, class... Args>
 cudaError_t launch_clustered(void (*kernel)(Params...), int cluster, cudaStream_t s, const Args&... args) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(kBlocks);
-  c.blockDim = dim3(kThreads);
-  c.stream = s;
   cudaLaunchAttribute a = {};
   a.id = cudaLaunchAttributeClusterDimension;
   a.val.clusterDim.x = unsigned(cluster);
   a.val.clusterDim.y = a.val.clusterDim.z = 1;
-  c.attrs = &a;
-  c.numAttrs = cluster > 1 ? 1 : 0;
   if (cluster > 8) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
   }
-  return cudaLaunchKernelEx(&c, kernel, args...);
+  return launch_with(kernel, kBlocks, kThreads, s, cluster > 1 ? &a : nullptr, args...);
 }
 
 int main(int argc, char** argv) {
