@@ -74,9 +74,10 @@ def problem_inputs(name: str, kind: str, dtype=jnp.bfloat16):
     sizes = group_sizes(kind, G, topk, rows_per_group)
     M = int(sizes.sum())
     keys = jax.random.split(jax.random.PRNGKey(hash((name, kind)) % 2**31), 4)
-    lhs = jax.random.normal(keys[0], (M, K), jnp.float32).astype(dtype)
-    rhs = (jax.random.normal(keys[1], (G, K, N), jnp.float32) * K**-0.5).astype(dtype)
-    ct = jax.random.normal(keys[2], (M, N), jnp.float32).astype(dtype)
+    # Drawn in dtype: a float32 draw of DeepSeek-V3's rhs would take 30 GB.
+    lhs = jax.random.normal(keys[0], (M, K), dtype)
+    rhs = jax.random.normal(keys[1], (G, K, N), dtype) * jnp.asarray(K**-0.5, dtype)
+    ct = jax.random.normal(keys[2], (M, N), dtype)
     return sizes, lhs, rhs, ct
 
 

@@ -33,8 +33,9 @@ gather_gemm_p = Primitive("jax_moe_permute_gather_gemm")
 gather_gemm_p.multiple_results = True
 
 # layer.ACTIVATIONS in the kernel's numbering (moe_mlp_decode.h, MlpActivation).
-ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3}
-_GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+# "none" (no activation, out = pre) makes the kernel a plain grouped GEMM whose rows are gathered.
+ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gelu": 2, "relu": 3, "none": 4}
+_GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False, "none": False}
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -114,7 +115,7 @@ def _unfused(x, row_token, group_sizes, w, *, activation, save_pre):
     from .layer import apply_activation  # layer binds this primitive: import it when first used
 
     pre = ragged_dot(gathered_rows(x, row_token), w, group_sizes)
-    out = apply_activation(pre, activation)
+    out = pre if activation == "none" else apply_activation(pre, activation)
     return out, (pre if save_pre else jnp.zeros((0, w.shape[2]), x.dtype))
 
 

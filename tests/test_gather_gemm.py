@@ -22,7 +22,8 @@ from conftest import fresh_key, needs_gpu, random_float
 from test_layer import assert_allclose, dense_moe, layer_inputs
 
 ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
-GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
+PRIMITIVE_ACTIVATIONS = ACTIVATIONS + ["none"]  # none: a plain grouped GEMM of gathered rows
+GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False, "none": False}
 TARGET = "jax_moe_permute.gather_gemm"
 
 
@@ -50,7 +51,7 @@ def reference(x, row_token, group_sizes, w, activation):
     group = np.concatenate([group, np.zeros(rows.shape[0] - len(group), int)])
     pre = jnp.einsum("mh,mhn->mn", rows, w32[group], precision=jax.lax.Precision.HIGHEST)
     pre = jnp.where(live[:, None], pre, 0.0)
-    return layer.apply_activation(pre, activation), pre
+    return (pre if activation == "none" else layer.apply_activation(pre, activation)), pre
 
 
 def check(x, row_token, sizes, w, activation, tol):
@@ -67,7 +68,7 @@ def check(x, row_token, sizes, w, activation, tol):
     return f
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", PRIMITIVE_ACTIVATIONS)
 @pytest.mark.parametrize("T,H,F,sizes,extra", [
     (7, 16, 8, [3, 0, 5, 2], 0), (5, 8, 3, [4], 2), (1, 1, 1, [1, 0], 0), (0, 8, 4, [0, 0], 3),
     (9, 24, 16, [0, 6, 1, 0, 4], 1)])
@@ -245,7 +246,7 @@ GPU_SIZES = [
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", PRIMITIVE_ACTIVATIONS)
 def test_kernel_matches_reference(activation, dtype):
     H, F = 200, 128  # H % 64 != 0: the K tail
     for sizes in GPU_SIZES:

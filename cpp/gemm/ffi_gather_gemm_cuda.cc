@@ -29,8 +29,8 @@ ffi::Error GatherGemm(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_token
   if (sd.size() != 1) return invalid("group_sizes must be [E]");
   if (wd.size() != 3) return invalid("w must be [E, H, N]");
   if (od.size() != 2) return invalid("out must be [M, F]");
-  if (activation < 0 || activation > int64_t(MlpActivation::kRelu))
-    return invalid("activation must be 0 (swiglu), 1 (geglu), 2 (gelu) or 3 (relu)");
+  if (activation < 0 || activation > int64_t(MlpActivation::kIdentity))
+    return invalid("activation must be 0 (swiglu), 1 (geglu), 2 (gelu), 3 (relu) or 4 (none)");
   if (save_pre != 0 && save_pre != 1) return invalid("save_pre must be 0 or 1");
   auto dtype = gemm_dtype(x.element_type());
   if (!dtype) return invalid("x must be bfloat16 or float16");

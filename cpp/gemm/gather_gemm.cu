@@ -252,7 +252,11 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
       if (tile >= tiles) break;
       const Tile tl = decode_row_tile(tile, group_end, row_tile_end, experts, col_tiles);
       consume.row_tile(ring, acc, tl.row0 + 64 * consumer < tl.row_end, k_blocks);
-      with_activation<kGated>(p.activation, [&](auto a) { store_tile<T, kGated, decltype(a)::value>(p, tl, row_in_tile, acc); });
+      if (!kGated && p.activation == int(MlpActivation::kIdentity)) {
+        store_tile<T, false, MlpActivation::kIdentity>(p, tl, row_in_tile, acc);
+      } else {
+        with_activation<kGated>(p.activation, [&](auto a) { store_tile<T, kGated, decltype(a)::value>(p, tl, row_in_tile, acc); });
+      }
     }
     zero_uncovered_rows(p, group_end[experts - 1], threadIdx.x - 128);
   }
@@ -291,7 +295,7 @@ cudaError_t launch(const GatherGemmArgs& a, CUtensorMapDataType type, cudaStream
 }  // namespace
 
 bool gather_gemm_fits(int64_t tokens, int64_t hidden, int64_t experts, int64_t rows, int64_t n, int64_t activation) {
-  if (activation < 0 || activation > int64_t(MlpActivation::kRelu)) return false;
+  if (activation < 0 || activation > int64_t(MlpActivation::kIdentity)) return false;
   const int64_t ffn = gather_gemm_gated(MlpActivation(activation)) ? n / 2 : n;
   if (n <= 0 || ffn % 128 != 0 || (gather_gemm_gated(MlpActivation(activation)) && n != 2 * ffn)) return false;
   if (hidden <= 0 || hidden % 8 != 0 || experts < 1 || experts > kMaxExperts) return false;

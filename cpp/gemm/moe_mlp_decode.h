@@ -10,7 +10,8 @@
 
 namespace moe::gemm {
 
-enum class MlpActivation : int { kSwiglu = 0, kGeglu = 1, kGelu = 2, kRelu = 3 };  // layer.ACTIVATIONS
+// layer.ACTIVATIONS; kIdentity (no activation) only for gather_gemm, which is then a plain grouped GEMM.
+enum class MlpActivation : int { kSwiglu = 0, kGeglu = 1, kGelu = 2, kRelu = 3, kIdentity = 4 };
 
 struct MoeMlpDecodeArgs {
   int64_t tokens = 0, top_k = 0, experts = 0;
