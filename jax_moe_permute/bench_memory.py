@@ -24,7 +24,7 @@ import numpy as np
 
 from . import layer
 from .bench_layer import MODELS, layer_fn
-from .bench_timing import cell, on_gpu, progress, ratio, save_rows
+from .bench_timing import cell, none_if_out_of_memory, on_gpu, progress, ratio, save_rows
 
 OPS = ("layer_memory",)
 IMPLS = ("ours", "reference", "dense")
@@ -55,11 +55,19 @@ def saved_bytes_per_token(impl: str, model: str) -> float:
     return (b1 - b0) / (t1 - t0)
 
 
-def grad_peak_bytes(impl: str, model: str, T: int) -> dict:
-    f, specs = layer_specs(impl, model, T)
+@none_if_out_of_memory
+def compiled_grad(f, specs):
+    """jit(grad) of sum(f) compiled for specs; None where compiling runs out of device memory (XLA's
+    GPU autotuner runs candidate kernels: the pure-JAX ragged_dot's dense expansion asks for 64 GiB
+    at Qwen3's T = 16384)."""
     loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
-    stats = jax.jit(jax.grad(loss, argnums=tuple(range(len(specs))))).lower(*specs).compile().memory_analysis()
-    if stats is None:  # a backend without memory statistics
+    return jax.jit(jax.grad(loss, argnums=tuple(range(len(specs))))).lower(*specs).compile()
+
+
+def grad_peak_bytes(impl: str, model: str, T: int) -> dict:
+    compiled = compiled_grad(*layer_specs(impl, model, T))
+    stats = None if compiled is None else compiled.memory_analysis()
+    if stats is None:  # out of memory, or a backend without memory statistics
         return dict(temp_bytes=None, io_bytes=None)
     return dict(temp_bytes=int(stats.temp_size_in_bytes),
                 io_bytes=int(stats.argument_size_in_bytes + stats.output_size_in_bytes))

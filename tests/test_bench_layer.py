@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from jax_moe_permute import bench, bench_layer
+from jax_moe_permute import bench, bench_layer, bench_memory
 
 PLOTTING = importlib.util.find_spec("matplotlib") is not None  # the [bench] extra
 
@@ -110,3 +110,29 @@ def test_memory_bench_writes_rows(tmp_path):
     assert row["saved_vs_dense"] == pytest.approx(row["ours_saved_per_token"] / row["dense_saved_per_token"])
     for impl in ("ours", "reference", "dense"):
         assert row[f"{impl}_temp_bytes"] is None or row[f"{impl}_temp_bytes"] >= 0
+
+
+def test_memory_bench_records_a_compile_out_of_memory(monkeypatch, capsys):
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 64.02GiB")
+
+    f, specs = bench_memory.layer_specs("reference", "tiny", 64)
+    assert bench_memory.compiled_grad(out_of_memory, specs) is None
+    assert "out of memory" in capsys.readouterr().out
+    assert bench_memory.compiled_grad(f, specs) is not None
+
+
+def test_fused_forward_split_times_the_path_that_runs(monkeypatch):
+    # Where moe_mlp's forward runs the fused first GEMM (sm_90), the split times its stages: the row
+    # index for "permute", gather + GEMM + activation for "gemm_in". gather_gemm runs its composition
+    # on CPU, so the stages are forced here.
+    monkeypatch.setattr(bench_layer, "fuses_first_gemm", lambda x, ids, w_in, bwd: not bwd)
+    rows = bench_layer.bench_shape("tiny", 5, ["layer", "layer_bwd"], copy_tbps=1.0, iterations=2,
+                                   with_reference=False)
+    fwd, bwd = rows
+    assert set(fwd["split_us"]) == set(bench_layer.STAGES) and fwd["split_us"]["activation"] == 0.0
+    assert all(v > 0 for k, v in fwd["split_us"].items() if k != "activation")
+    assert fwd["split_fused_first_gemm"] and not bwd["split_fused_first_gemm"]
+    assert all(v > 0 for v in bwd["split_us"].values())
+    lines = bench_layer.format_table(rows).splitlines()[2:]
+    assert "fused first GEMM" in lines[0] and "fused" not in lines[1]
