@@ -19,8 +19,10 @@ it at T = 1 and 64 (the `/bound` column).
 
 --no-reference skips the pure-JAX layer ("skipped" in the table). Ours is also split by stage
 (--no-split skips it; --ref-split splits the slow reference too), each stage timed alone on the
-previous stage's outputs (forward, or that stage's backward for layer_bwd); non_gemm_share is
-the split's share outside the two GEMMs (goal: <= 10% at T = 4096). A timing that runs out of
+previous stage's outputs (forward, or that stage's backward for layer_bwd); where the forward
+runs the fused first GEMM (sm_90, bf16/f16), its split times that path: "permute" the row ->
+token index, "gemm_in" the kernel that gathers x and applies the activation, "activation" 0.
+non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096). A timing that runs out of
 device memory (the reference's jax.lax.ragged_dot, which XLA lowers to a dense product over a
 zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left out of the plot.
 Device time as in bench.py (bench_timing.device_us): CUPTI kernel time on GPU (a call over a
