@@ -22,9 +22,10 @@ it at T = 1 and 64 (the `/bound` column).
 previous stage's outputs (forward, or that stage's backward for layer_bwd); where the forward
 runs the fused first GEMM (sm_90, bf16/f16), its split times that path: "permute" the row ->
 token index, "gemm_in" the kernel that gathers x and applies the activation, "activation" 0.
-non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096). A timing that runs out of
-device memory (the reference's jax.lax.ragged_dot, which XLA lowers to a dense product over a
-zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left out of the plot.
+non_gemm_share is the split's share outside the two GEMMs (goal: <= 10% at T = 4096). A timing
+that runs out of device memory (the reference's jax.lax.ragged_dot, which XLA lowers to a dense
+product over a zero-padded copy, does for DeepSeek-V3) is None: "OOM" in the table, left out of
+the plot.
 Device time as in bench.py (bench_timing.device_us): CUPTI kernel time on GPU (a call over a
 second: one wall-clock call), wall clock on CPU. On CPU the default model is "tiny" (the real
 shapes take minutes a call there).
@@ -97,8 +98,9 @@ def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float | N
 
 @none_if_out_of_memory
 def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int,
-                token_rounding=None) -> dict | None:
-    """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone."""
+                token_rounding=None, fused: bool = False) -> dict | None:
+    """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone; `fused`: ours
+    runs the fused first GEMM (fuses_first_gemm), whose stages are timed instead."""
     E = w_in.shape[0]
     lib = jmp_ops if impl == "ours" else reference
     dot = ragged_dot if impl == "ours" else jax.lax.ragged_dot
@@ -112,7 +114,7 @@ def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations
         "unpermute": unpermute,
     }
     r = jax.jit(lambda x, router: layer_route(x, router, K, token_rounding))(x, router)
-    if impl == "ours" and fuses_first_gemm(x, r.ids, w_in, bwd):
+    if fused:
         return fused_stage_split(x, r, w_in, w_out, unpermute, stages["route"], (x, router), E, iterations)
     rows, gs, row_map = jax.jit(lambda x, ids: tuple(lib.moe_permute(x, ids, E)))(x, r.ids)
     h = jax.jit(stages["gemm_in"])(rows, w_in, gs)
@@ -187,6 +189,7 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
     inp = layer_inputs(model, T, dtype)
     moe_args = (inp["x"], inp["router"], inp["w_in"], inp["w_out"])
     routed = routed_experts(inp["x"], inp["router"], K, token_rounding)
+    ids = jax.eval_shape(lambda x, router: layer_route(x, router, K, token_rounding).ids, inp["x"], inp["router"])
     flops_fwd = 6 * T * K * H * F
     rows = []
     for op in ops:
@@ -208,10 +211,10 @@ def bench_shape(model: str, T: int, ops, copy_tbps: float, iterations: int = 20,
                    ref_skipped=not with_reference,
                    token_rounding=None if token_rounding is None else token_rounding._asdict())
         if split:
-            row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations, token_rounding)
+            fused = fuses_first_gemm(inp["x"], ids, inp["w_in"], bwd)
+            row["split_us"] = stage_split("ours", *moe_args, K, bwd, iterations, token_rounding, fused)
             row["non_gemm_share"] = non_gemm_share(row["split_us"])
-            ids = jax.eval_shape(lambda x, router: layer_route(x, router, K, token_rounding).ids, inp["x"], inp["router"])
-            row["split_fused_first_gemm"] = fuses_first_gemm(inp["x"], ids, inp["w_in"], bwd)
+            row["split_fused_first_gemm"] = fused
         if ref_split:
             row["ref_split_us"] = stage_split("reference", *moe_args, K, bwd, iterations, token_rounding)
         rows.append(row)

@@ -112,7 +112,7 @@ def test_memory_bench_writes_rows(tmp_path):
         assert row[f"{impl}_temp_bytes"] is None or row[f"{impl}_temp_bytes"] >= 0
 
 
-def test_memory_bench_records_a_compile_out_of_memory(monkeypatch, capsys):
+def test_memory_bench_records_a_compile_out_of_memory(capsys):
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 64.02GiB")
 
