@@ -99,8 +99,8 @@ def timed(f, diff_args, const_args, ct, bwd: bool, iterations: int) -> float | N
 @none_if_out_of_memory
 def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations: int,
                 token_rounding=None, fused: bool = False) -> dict | None:
-    """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone; `fused`: ours
-    runs the fused first GEMM (fuses_first_gemm), whose stages are timed instead."""
+    """Microseconds of each stage of `impl` ("ours" or "reference"), timed alone; `fused` (ours'
+    forward where it runs the fused first GEMM, fuses_first_gemm): that path's stages."""
     E = w_in.shape[0]
     lib = jmp_ops if impl == "ours" else reference
     dot = ragged_dot if impl == "ours" else jax.lax.ragged_dot
@@ -114,47 +114,29 @@ def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations
         "unpermute": unpermute,
     }
     r = jax.jit(lambda x, router: layer_route(x, router, K, token_rounding))(x, router)
-    if fused:
-        return fused_stage_split(x, r, w_in, w_out, unpermute, stages["route"], (x, router), E, iterations)
-    rows, gs, row_map = jax.jit(lambda x, ids: tuple(lib.moe_permute(x, ids, E)))(x, r.ids)
-    h = jax.jit(stages["gemm_in"])(rows, w_in, gs)
-    a = jax.jit(stages["activation"])(h)
+    if fused:  # the row -> token index, then the kernel that gathers x and applies the activation
+        stages["permute"] = lambda x, ids: layer.routing_rows(x, ids, E)[0]
+        stages["gemm_in"] = lambda x, w_in, row_token, gs: gather_gemm.gather_gemm(x, row_token, gs, w_in,
+                                                                                   activation="swiglu")[0]
+        row_token, gs, row_map = jax.jit(lambda x, ids: layer.routing_rows(x, ids, E))(x, r.ids)
+        a = jax.jit(stages["gemm_in"])(x, w_in, row_token, gs)
+        first = {"permute": ((x,), (r.ids,), row_token), "gemm_in": ((x, w_in), (row_token, gs), a)}
+    else:
+        rows, gs, row_map = jax.jit(lambda x, ids: tuple(lib.moe_permute(x, ids, E)))(x, r.ids)
+        h = jax.jit(stages["gemm_in"])(rows, w_in, gs)
+        a = jax.jit(stages["activation"])(h)
+        first = {"permute": ((x,), (r.ids,), rows), "gemm_in": ((rows, w_in), (gs,), h),
+                 "activation": ((h,), (), a)}
     y = jax.jit(stages["gemm_out"])(a, w_out, gs)
     calls = {  # (diff args, const args, output for the cotangent's shape)
         "route": ((x, router), (), r.weights),
-        "permute": ((x,), (r.ids,), rows),
-        "gemm_in": ((rows, w_in), (gs,), h),
-        "activation": ((h,), (), a),
+        **first,
         "gemm_out": ((a, w_out), (gs,), y),
         "unpermute": ((y, r.weights), (row_map,), x),
     }
-    out = {}
-    for name in STAGES:
-        diff, const, like = calls[name]
-        ct = jnp.ones_like(like)
-        out[name] = timed(stages[name], diff, const, ct, bwd, iterations)
-    return out
-
-
-def fused_stage_split(x, r, w_in, w_out, unpermute, route_fn, route_args, E: int, iterations: int) -> dict:
-    """The forward's stages where `moe_mlp` runs its fused first GEMM (layer._gathers): "permute"
-    is the row -> token index alone, "gemm_in" the kernel that gathers x's rows and applies the
-    activation in its epilogue, so "activation" is 0."""
-    stages = {
-        "route": route_fn,
-        "permute": lambda x, ids: layer.routing_rows(x, ids, E)[0],
-        "gemm_in": lambda x, w_in, row_token, gs: gather_gemm.gather_gemm(x, row_token, gs, w_in,
-                                                                          activation="swiglu")[0],
-        "gemm_out": lambda a, w_out, gs: ragged_dot(a, w_out, gs),
-        "unpermute": unpermute,
-    }
-    row_token, gs, row_map = jax.jit(lambda x, ids: layer.routing_rows(x, ids, E))(x, r.ids)
-    h = jax.jit(stages["gemm_in"])(x, w_in, row_token, gs)
-    y = jax.jit(stages["gemm_out"])(h, w_out, gs)
-    args = {"route": route_args, "permute": (x, r.ids), "gemm_in": (x, w_in, row_token, gs),
-            "gemm_out": (h, w_out, gs), "unpermute": (y, r.weights, row_map)}
-    out = {name: device_us_or_none(jax.jit(stages[name]), *args[name], iterations=iterations) for name in stages}
-    return dict(out, activation=0.0)
+    # fused: no activation stage (it runs in the first GEMM's epilogue)
+    return {name: timed(stages[name], calls[name][0], calls[name][1], jnp.ones_like(calls[name][2]), bwd, iterations)
+            if name in calls else 0.0 for name in STAGES}
 
 
 def fuses_first_gemm(x, ids, w_in, bwd: bool) -> bool:

@@ -6,7 +6,8 @@
 Row r belongs to group g(r) as in `ragged_dot` (group g holds the next group_sizes[g] rows);
 rows past the sum, and rows whose token is outside [0, T), are zero in both outputs. Gated
 activations (swiglu, geglu) take N = 2F columns [gate | up] and give act(gate) * up; gelu and
-relu take N = F, and so does "none" (out = pre: a grouped GEMM of gathered rows). `pre` (the pre-activation, what the backward keeps) is computed only when asked.
+relu take N = F, and so does "none" (out = pre: a grouped GEMM of gathered rows). `pre` (the
+pre-activation, what the backward keeps) is computed only when asked.
 
 On sm_90 it lowers to one kernel (cpp/gemm/gather_gemm.cu: cp.async row gathers from x into the
 wgmma operand, the activation in the epilogue), so the permuted copy [M, H] of the tokens and the
