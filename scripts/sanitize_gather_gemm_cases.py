@@ -31,7 +31,8 @@ def reference(x, row_token, sizes, w, activation, gated):
                 pre[r] = x[row_token[r]] @ w[g]
         start += n
     act = {"swiglu": jax.nn.silu, "geglu": lambda v: jax.nn.gelu(v, approximate=False),
-           "gelu": lambda v: jax.nn.gelu(v, approximate=False), "relu": jax.nn.relu}[activation]
+           "gelu": lambda v: jax.nn.gelu(v, approximate=False), "relu": jax.nn.relu,
+           "none": lambda v: v}[activation]
     if gated:
         gate, up = np.split(pre, 2, axis=1)
         return np.asarray(act(gate), np.float64) * up, pre
