@@ -19,20 +19,23 @@ constexpr int64_t kCopyChunk = int64_t{kCopyThreads} * kUnroll;  // vectors per 
 
 // Zeroes the rows that hold no entry: each expert block's padding [starts[e] + counts[e],
 // starts[e+1]) (fewer than `align` rows) and the tail [starts[L], rows). Blocks stride over
-// candidate rows only, so nothing is spent without padding or dropped entries.
-template <typename V>
+// candidate rows only, so nothing is spent without padding or dropped entries. A row each block
+// (kRowPerThread false) or, for rows of one vector, a row each thread.
+template <typename V, bool kRowPerThread = false>
 __device__ void zero_unused_rows(RowLayout layout, int64_t L, int64_t align, int64_t batch, int64_t rows,
                                  int64_t nvec, V* out) {
+  const int64_t first = kRowPerThread ? blockIdx.x * int64_t{blockDim.x} + threadIdx.x : blockIdx.x;
+  const int64_t stride = kRowPerThread ? int64_t{gridDim.x} * blockDim.x : gridDim.x;
+  const int lane = kRowPerThread ? 0 : threadIdx.x, lanes = kRowPerThread ? 1 : blockDim.x;
   const int64_t per_example = L * (align - 1);
-  for (int64_t c = blockIdx.x; c < batch * per_example; c += gridDim.x) {
+  for (int64_t c = first; c < batch * per_example; c += stride) {
     const int64_t b = c / per_example, e = c % per_example / (align - 1), j = c % per_example % (align - 1);
     const int64_t r = layout.starts[b * (L + 1) + e] + layout.counts[b * L + e] + j;
-    if (r < layout.starts[b * (L + 1) + e + 1])
-      zero_row(out + (b * rows + r) * nvec, nvec, threadIdx.x, blockDim.x);
+    if (r < layout.starts[b * (L + 1) + e + 1]) zero_row(out + (b * rows + r) * nvec, nvec, lane, lanes);
   }
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t r = layout.starts[b * (L + 1) + L] + blockIdx.x; r < rows; r += gridDim.x)
-      zero_row(out + (b * rows + r) * nvec, nvec, threadIdx.x, blockDim.x);
+    for (int64_t r = layout.starts[b * (L + 1) + L] + first; r < rows; r += stride)
+      zero_row(out + (b * rows + r) * nvec, nvec, lane, lanes);
 }
 
 // Row of the token's k-th entry; i0 = t * K is the token's first entry within example b.
@@ -90,6 +93,26 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
   zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
 }
 
+// Rows of at most one vector (the layer's one-column row index, rows of 16 bytes or less, H = 0
+// where tiled routing only records the rows): a thread per entry. A block per token would leave
+// all but one thread idle and look up the token's K rows one after another, each lookup's loads
+// waiting behind the previous entry's stores (22 us for the layer's Qwen3 row index at T = 4096).
+template <typename V, bool kFromTiles>
+__global__ void __launch_bounds__(kCopyThreads) copy_entries_kernel(
+    const char* hidden, int64_t hidden_bstride_bytes, EntryRows er, int64_t tokens, int64_t topk,
+    int64_t batch, int64_t rows, int64_t nvec, RowLayout layout, int32_t L, int64_t align, char* out) {
+  const int64_t n = tokens * topk;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < batch * n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t b = i / n, t = (i - b * n) / topk, k = i - b * n - t * topk;
+    const int32_t r = entry_row<kFromTiles>(er, b, n, t * topk, k, L, true);
+    if (r < 0 || nvec == 0) continue;
+    const V* src = reinterpret_cast<const V*>(hidden + b * hidden_bstride_bytes) + t;
+    reinterpret_cast<V*>(out)[b * rows + r] = *src;
+  }
+  zero_unused_rows<V, true>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
+}
+
 }  // namespace
 
 cudaError_t copy_and_zero(const PermuteArgs& a, const EntryRows& er, RowLayout layout, cudaStream_t stream) {
@@ -97,6 +120,15 @@ cudaError_t copy_and_zero(const PermuteArgs& a, const EntryRows& er, RowLayout l
   if (row_bytes == 0 && er.ranked == nullptr) return cudaSuccess;  // tiled routing still records the rows
   return with_access_type(std::max<int64_t>(row_bytes, 1), {a.hidden, a.out}, [&](auto tag) -> cudaError_t {
     using V = typename decltype(tag)::type;
+    const int64_t nvec = row_bytes / int64_t{sizeof(V)};
+    if (nvec <= 1) {
+      auto kernel = er.ranked ? copy_entries_kernel<V, true> : copy_entries_kernel<V, false>;
+      const int64_t entries = std::max(a.batch * a.tokens * a.topk, int64_t{kCopyThreads} * multiprocessors());
+      kernel<<<blocks_for(entries, kCopyThreads), kCopyThreads, 0, stream>>>(
+          static_cast<const char*>(a.hidden), a.hidden_bstride * a.elem_bytes, er, a.tokens, a.topk, a.batch,
+          a.rows, nvec, layout, a.num_local, a.align, static_cast<char*>(a.out));
+      return cudaGetLastError();
+    }
     const int64_t chunks = std::max<int64_t>(1, (row_bytes / int64_t{sizeof(V)} + kCopyChunk - 1) / kCopyChunk);
     const int64_t units = std::max(a.batch * a.tokens * chunks, int64_t{4} * multiprocessors());
     auto kernel = er.ranked ? (a.expert_map ? copy_rows_kernel<V, true, true> : copy_rows_kernel<V, false, true>)

@@ -31,6 +31,10 @@ SHAPES = [
     (4096, 4, 1000, 8),  # tiles of 2048, more tiles per offsets thread than it keeps in registers
     (300, 16, 2000, 8),
     (5, 3, 1500, 2),
+    # Tiled rows of one vector or none take a thread per entry: 2 and 16 bytes, and H = 0.
+    (700, 1, 64, 4),
+    (600, 8, 300, 8),
+    (3000, 0, 16, 2),
 ]
 
 
