@@ -189,10 +189,17 @@ def decode_step(impl: str, model: DecodeModel, unroll: int = 1, residual: bool =
 
 def routed_experts(model: DecodeModel, params: dict, xs) -> list[list[int]]:
     """For each x of xs, the distinct experts each layer of ours routes it to (the experts whose
-    weights the step reads): [input][layer]."""
-    block = moe_block("ours", model)
-    routing = jax.jit(lambda x, params: jax.lax.scan(block, x, params)[1])  # [L, T, K] ids
-    return [[int(np.unique(ids).size) for ids in np.asarray(routing(x, params))] for x in xs]
+    weights the step reads): [input][layer]. Layer by layer, one layer's weights sliced out at a
+    time: a scan over the stacks that returns the ids made XLA copy Mixtral's whole w_in (56 GiB
+    on the H200, out of memory)."""
+    block = jax.jit(moe_block("ours", model))
+    xs, counts = list(xs), [[] for _ in xs]
+    for i in range(params["router"].shape[0]):
+        p = jax.tree.map(lambda a: a[i], params)
+        for j, x in enumerate(xs):
+            xs[j], ids = block(x, p)
+            counts[j].append(int(np.unique(np.asarray(ids)).size))
+    return counts
 
 
 def wall_us(compiled, xs, params, steps: int, warmup: int) -> float:
