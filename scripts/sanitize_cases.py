@@ -43,7 +43,8 @@ CASES = [
     dict(T=37, H=33, E=5, K=3, align_size=4),
     dict(T=64, H=64, E=16, K=4, with_map=True, align_size=8),
     dict(T=700, H=24, E=64, K=4, with_map=True),  # more than 2048 entries: the tiled sort
-    dict(T=1024, H=8, E=512, K=8, align_size=2),  # larger tiles, several per offsets thread
+    dict(T=1024, H=8, E=512, K=8, align_size=2),  # larger tiles, several per offsets thread; 16-byte rows
+    dict(T=700, H=1, E=64, K=4, with_map=True, dtype=jnp.float32),  # tiled, 4-byte rows: a thread per entry
     dict(T=300, H=8, E=2100, K=8, align_size=2),  # more than 1023 local experts: the radix sort
     dict(T=600, H=16, E=8, K=6, align_size=16, dtype=jnp.float32),
     dict(T=9, H=1, E=2, K=3, dtype=jnp.float16),
