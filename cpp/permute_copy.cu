@@ -64,7 +64,7 @@ template <typename V, bool kSkipUnrouted, bool kFromTiles>
 __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
     const char* hidden, int64_t hidden_bstride_bytes, EntryRows er, int64_t tokens, int64_t topk,
     int64_t batch, int64_t rows, int64_t row_bytes, RowLayout layout, int32_t L, int64_t align, char* out) {
-  // At least one chunk per token, so that tiled routing records the rows even when H = 0.
+  // Rows here are at least two vectors wide (narrower rows, and H = 0, take copy_entries_kernel).
   const int64_t nvec = row_bytes / sizeof(V), chunks = max(int64_t{1}, (nvec + kCopyChunk - 1) / kCopyChunk);
   const int64_t n = tokens * topk;
   for (int64_t u = blockIdx.x; u < batch * tokens * chunks; u += gridDim.x) {
@@ -93,10 +93,11 @@ __global__ void __launch_bounds__(kCopyThreads) copy_rows_kernel(
   zero_unused_rows<V>(layout, L, align, batch, rows, nvec, reinterpret_cast<V*>(out));
 }
 
-// Rows of at most one vector (the layer's one-column row index, rows of 16 bytes or less, H = 0
-// where tiled routing only records the rows): a thread per entry. A block per token would leave
-// all but one thread idle and look up the token's K rows one after another, each lookup's loads
-// waiting behind the previous entry's stores (22 us for the layer's Qwen3 row index at T = 4096).
+// Rows one access wide or empty (the layer's one-column row index; a row of 1, 2, 4, 8 or 16
+// bytes on buffers aligned to it; H = 0, where tiled routing only records the rows): a thread per
+// entry. A block per token would leave all but one thread idle and look up the token's K rows one
+// after another, each lookup's loads waiting behind the previous entry's stores (22 us for the
+// layer's Qwen3 row index at T = 4096 on an H100).
 template <typename V, bool kFromTiles>
 __global__ void __launch_bounds__(kCopyThreads) copy_entries_kernel(
     const char* hidden, int64_t hidden_bstride_bytes, EntryRows er, int64_t tokens, int64_t topk,
