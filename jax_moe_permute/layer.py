@@ -173,7 +173,8 @@ def moe_mlp(
         cost XLA a host round trip per layer (docs/layer.md, "Stacked layers").
       residual: optional [T, H'] in x's dtype, added to the result (a decoder block's
         `x + moe_mlp(x, ...)`, equal to that add): the fused decode kernels add it in their last
-        launch, which saves the add's own launch in a decode step.
+        launch, the other paths in the unpermute's (moe_unpermute's `residual`), which saves
+        the add's own launch in a decode step.
 
     Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
     """
@@ -240,15 +241,11 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, residual, a
     if _gathers(x, ids, w_in_layer, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
-        out = ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype)
-    else:  # stacked weights stay whole: the grouped GEMMs read the layer on the device
-        out = unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer)
-    return _plus(out, residual)
-
-
-def _plus(a, b):
-    """a + b where b (a residual or its tangent) is given."""
-    return a if b is None else a + b
+        return ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype,
+                                 residual=residual)
+    # stacked weights stay whole: the grouped GEMMs read the layer on the device
+    return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer,
+                                  residual)
 
 
 def _gathers(x, ids, w_in, activation, differentiated=False) -> bool:
@@ -270,14 +267,15 @@ def routing_rows(x, ids, num_experts, expert_map=None, num_local_experts=None):
 
 
 def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None,
-                           layer=None):
-    """permute -> expert_mlp -> weighted unpermute; ids index w_in's experts unless expert_map maps them.
-    With `layer`, w_in and w_out are stacks over layers whose grouped GEMMs read that layer."""
+                           layer=None, residual=None):
+    """permute -> expert_mlp -> weighted unpermute (+ residual, in the unpermute's launch); ids index
+    w_in's experts unless expert_map maps them. With `layer`, w_in and w_out are stacks over layers
+    whose grouped GEMMs read that layer."""
     num_experts = w_in.shape[-3] if expert_map is None else expert_map.shape[0]
     res = ops.moe_permute(x, ids, num_experts, expert_map=expert_map, num_local_experts=num_local_experts)
     matmul = ragged_dot if layer is None else functools.partial(ragged_dot_stacked, layer=layer)
     y = expert_mlp(res.hidden, res.group_sizes, w_in, w_out, activation, matmul=matmul)
-    return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype)
+    return ops.moe_unpermute(y, res.row_map, weights, out_dtype=x.dtype, residual=residual)
 
 
 def _local_ids(ids, expert_map):
@@ -318,7 +316,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
         gate_up = ragged_dot(res.hidden, w_in, sizes)
         h = apply_activation(gate_up, activation)
     num_rows = gate_up.shape[0]
-    out = _plus(ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype), residual)
+    out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype, residual=residual)
     if dx is None and dweights is None and dw_in is None and dw_out is None:
         return out, jnp.zeros_like(out) if dresidual is None else dresidual
 
@@ -333,7 +331,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     dw_rows = None if dweights is None else _weights_to_rows(dweights, row_map, num_rows)
 
     d_y = _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows)
-    return out, _plus(ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype), dresidual)
+    return out, ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype, residual=dresidual)
 
 
 # The pieces the Flax modules share (they import flax; this file does not).

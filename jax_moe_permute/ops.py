@@ -130,6 +130,7 @@ def moe_unpermute(
     topk_weights: Optional[jax.Array] = None,
     *,
     out_dtype=None,
+    residual: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Sums each token's K expert outputs, weighted by the router's top-k weights.
 
@@ -138,7 +139,9 @@ def moe_unpermute(
       row_map: [T, K] integer: the row of expert_out holding entry (t, k); entries outside
         [0, R) contribute nothing.
       topk_weights: [T, K] float32, bfloat16 or float16, or None meaning 1.
-      out_dtype: result dtype, default expert_out.dtype.
+      out_dtype: result dtype, default expert_out.dtype (residual's dtype where it is given).
+      residual: optional [T, H'] of out_dtype added to the result (a decoder block's
+        `x + moe(x)`), bit for bit the add after the op; on CUDA in the same launch.
 
     Returns out [T, H'] with out[t] = sum_k w[t,k] * expert_out[row_map[t,k]], accumulated
     in float32 in ascending k (no atomics: bitwise reproducible).
@@ -154,10 +157,20 @@ def moe_unpermute(
         weights = jnp.asarray(topk_weights)[None]
     else:
         weights = primitives.placeholder(3)
-    out_dtype = jnp.dtype(expert_out.dtype if out_dtype is None else out_dtype)
+    if out_dtype is None:
+        out_dtype = expert_out.dtype if residual is None else getattr(residual, "dtype", None)
+    out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in HIDDEN_DTYPES:
         raise TypeError(f"{op}: out_dtype {out_dtype.name} is not supported; supported dtypes: "
                         f"{_names(HIDDEN_DTYPES)}")
-    out = primitives.unpermute(jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights, out_dtype,
-                               has_weights=topk_weights is not None)
-    return out[0]
+    args = (jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights)
+    has_weights = topk_weights is not None
+    if residual is None:
+        return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0]
+    want = (row_map.shape[0], expert_out.shape[1])
+    if not hasattr(residual, "shape") or tuple(residual.shape) != want or residual.dtype != out_dtype:
+        raise ValueError(f"{op}: residual must have shape {want} and dtype {out_dtype.name} (out_dtype), got "
+                         f"{getattr(residual, 'shape', type(residual))} {getattr(residual, 'dtype', '')}")
+    if out_dtype not in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8: the add after the op
+        return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0] + residual
+    return primitives.unpermute_add(*args, jnp.asarray(residual)[None], has_weights=has_weights)[0]

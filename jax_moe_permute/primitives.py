@@ -1,9 +1,10 @@
-"""The six primitives behind the public ops, with their batching and autodiff rules; at the
+"""The seven primitives behind the public ops, with their batching and autodiff rules; at the
 foot, one block per primitive registers its abstract evaluation (shapes.py), lowerings
 (lowering.py), batching and autodiff rules.
 
   moe_permute           (hidden, topk_ids, expert_map) -> (rows, group_sizes, row_map)
   moe_unpermute         (x, row_map, weights) -> out[t] = sum_k w[t,k] x[row_map[t,k]]
+  moe_unpermute_add     (x, row_map, weights, residual) -> residual + unpermute, in one launch
   moe_scatter           (x, row_map, weights) -> out[r] = sum_{row_map[t,k]=r} w[t,k] x[t]
   moe_weight_grad       (c, x, row_map)       -> dw[t,k] = <c[t], x[row_map[t,k]]>
   moe_unpermute_tangent (dx, dw, x, row_map, w) -> unpermute(dx, w) + unpermute(x, dw)
@@ -11,7 +12,8 @@ foot, one block per primitive registers its abstract evaluation (shapes.py), low
 
 unpermute and scatter are each other's transpose, weight_grad is their transpose with
 respect to the weights, and permute's data movement is an unweighted scatter: the set is
-closed under transposition, so derivatives of any order stay on our kernels.
+closed under transposition, so derivatives of any order stay on our kernels (unpermute_add's
+tangent is unpermute's plus the residual's).
 unpermute_tangent is unpermute's JVP when both expert rows and weights vary: one linear
 primitive, so that its transpose yields both cotangents at once (unpermute_bwd: on CUDA one
 kernel reads each cotangent row once for both; elsewhere scatter + weight_grad).
@@ -55,6 +57,7 @@ def _primitive(name: str, abstract_eval, multiple_results: bool = False) -> Prim
 
 permute_p = _primitive("moe_permute", shapes.permute, multiple_results=True)
 unpermute_p = _primitive("moe_unpermute", shapes.unpermute)
+unpermute_add_p = _primitive("moe_unpermute_add", shapes.unpermute_add)
 scatter_p = _primitive("moe_scatter", shapes.scatter)
 weight_grad_p = _primitive("moe_weight_grad", shapes.weight_grad)
 unpermute_tangent_p = _primitive("moe_unpermute_tangent", shapes.unpermute_tangent)
@@ -76,6 +79,12 @@ def unpermute(x, row_map, weights, out_dtype, *, has_weights):
     out = unpermute_p.bind(*pvary_to_match(x, row_map, weights), out_dtype=_kernel_dtype(out_dtype),
                            has_weights=has_weights)
     return out.astype(out_dtype)
+
+
+def unpermute_add(x, row_map, weights, residual, *, has_weights):
+    """residual + unpermute(x, row_map, weights) in residual's dtype (a kernel output dtype), the
+    unpermute rounded to it before the add: bit for bit the add after the op."""
+    return unpermute_add_p.bind(*pvary_to_match(x, row_map, weights, residual), has_weights=has_weights)
 
 
 def scatter(x, row_map, weights, num_rows, out_dtype, *, has_weights):
@@ -121,6 +130,11 @@ def _unpermute_bwd_workspace(in_avals, out_avals):  # extent: rows
     B, R, _ = out_avals[0].shape
     _, T, K = out_avals[1].shape
     return B, T * K, R
+
+
+def _composite_unpermute_add(x, row_map, weights, residual, *, has_weights):
+    out = unpermute_p.bind(x, row_map, weights, out_dtype=residual.dtype, has_weights=has_weights)
+    return out + residual  # extents 1 and B broadcast
 
 
 def _composite_unpermute_tangent(dx, dw, x, row_map, weights, *, out_dtype):
@@ -200,6 +214,17 @@ def _unpermute_jvp(primals, tangents, *, out_dtype, has_weights):
     return out, unpermute_tangent_p.bind(dx, dw, x, row_map, weights, out_dtype=out_dtype)
 
 
+def _unpermute_add_jvp(primals, tangents, *, has_weights):
+    """unpermute's tangent plus the residual's."""
+    x, row_map, weights, residual = primals
+    out = unpermute_add_p.bind(x, row_map, weights, residual, has_weights=has_weights)
+    _, d_sum = _unpermute_jvp((x, row_map, weights), tangents[:3], out_dtype=out.dtype, has_weights=has_weights)
+    terms = [t for t in (d_sum, tangents[3]) if type(t) is not ad.Zero]
+    if not terms:
+        return out, _zero(out)
+    return out, jnp.broadcast_to(_sum(terms, out), out.shape)
+
+
 def _unpermute_transpose(ct, x, row_map, weights, *, out_dtype, has_weights):
     if type(ct) is ad.Zero:
         return None, None, None
@@ -210,6 +235,15 @@ def _unpermute_transpose(ct, x, row_map, weights, *, out_dtype, has_weights):
     if ad.is_undefined_primal(weights):
         ct_w = sum_to_batch(weight_grad(ct, x, row_map, weights.aval.dtype), weights)
     return ct_x, None, ct_w
+
+
+def _unpermute_add_transpose(ct, x, row_map, weights, residual, *, has_weights):
+    """Linear in (x, residual) with the weights fixed, or in the weights with x fixed."""
+    if type(ct) is ad.Zero:
+        return None, None, None, None
+    ct_x, _, ct_w = _unpermute_transpose(ct, x, row_map, weights, out_dtype=ct.dtype, has_weights=has_weights)
+    ct_residual = sum_to_batch(ct, residual) if ad.is_undefined_primal(residual) else None
+    return ct_x, None, ct_w, ct_residual
 
 
 def _scatter_transpose(ct, x, row_map, weights, *, num_rows, out_dtype, has_weights):
@@ -295,6 +329,14 @@ batching.primitive_batchers[unpermute_p] = batcher(unpermute_p)
 ad.primitive_jvps[unpermute_p] = _unpermute_jvp
 ad.primitive_transposes[unpermute_p] = _unpermute_transpose
 
+# ---- moe_unpermute_add (one launch on CUDA; unpermute + add elsewhere) -------------------------
+unpermute_add_p.def_abstract_eval(shapes.unpermute_add)
+_register_lowerings(unpermute_add_p, _composite_unpermute_add, "unpermute_add", shapes.unpermute_add,
+                    ("has_weights",))
+batching.primitive_batchers[unpermute_add_p] = batcher(unpermute_add_p)
+ad.primitive_jvps[unpermute_add_p] = _unpermute_add_jvp
+ad.primitive_transposes[unpermute_add_p] = _unpermute_add_transpose
+
 # ---- moe_scatter ----------------------------------------------------------------------------
 scatter_p.def_abstract_eval(shapes.scatter)
 _register_lowerings(scatter_p, lowering.reference_scatter, "scatter", shapes.scatter, ("has_weights",),
@@ -326,4 +368,5 @@ batching.primitive_batchers[unpermute_bwd_p] = batcher(unpermute_bwd_p)
 ad.primitive_jvps[unpermute_bwd_p] = _unpermute_bwd_jvp
 
 # Their kernel lowerings partition under sharded jit (lowering.py).
-require_devices_at_lowering(permute_p, unpermute_p, scatter_p, weight_grad_p, unpermute_tangent_p, unpermute_bwd_p)
+require_devices_at_lowering(permute_p, unpermute_p, unpermute_add_p, scatter_p, weight_grad_p, unpermute_tangent_p,
+                            unpermute_bwd_p)

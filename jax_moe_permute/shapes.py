@@ -49,6 +49,15 @@ def unpermute(x, row_map, weights, *, out_dtype, has_weights):
     return shaped_like((x, row_map, weights), (B, row_map.shape[1], x.shape[2]), out_dtype)
 
 
+def unpermute_add(x, row_map, weights, residual, *, has_weights):
+    _check_weights(weights, row_map, has_weights, "moe_unpermute")
+    want = (row_map.shape[1], x.shape[2])
+    if tuple(residual.shape[1:]) != want:
+        raise ValueError(f"moe_unpermute: residual must have shape {want}, got {tuple(residual.shape[1:])}")
+    avals = (x, row_map, weights, residual)
+    return shaped_like(avals, (batch_extent(*avals),) + want, residual.dtype)
+
+
 def scatter(x, row_map, weights, *, num_rows, out_dtype, has_weights):
     _check_weights(weights, row_map, has_weights, "moe_scatter")
     if x.shape[1] != row_map.shape[1]:

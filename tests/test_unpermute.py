@@ -113,6 +113,53 @@ def test_batched_matches_a_loop():
         assert_close(got[b], jmp.reference.moe_unpermute(xs[b], rms[b], ws[b]), jnp.bfloat16)
 
 
+# The residual add in the unpermute's launch equals the add after the op bit for bit: on CUDA
+# both kernels (small grids: T = 1, 5; grid-stride: 1001 tokens), odd H (scalar accesses), T = 0.
+@pytest.mark.parametrize("T,R,H,K", [(0, 4, 8, 2), (1, 9, 2048, 8), (5, 30, 7, 3), (64, 512, 2048, 8),
+                                     (1001, 2100, 1024, 2)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_residual_equals_the_add_after(T, R, H, K, dtype):
+    x, rm, w = random_float((R, H), dtype), random_row_map(T, K, R), random_float((T, K), jnp.float32)
+    out_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 1 else dtype
+    residual = random_float((T, H), out_dtype, scale=4.0)
+    got = jax.jit(lambda a, r, w, res: jmp.moe_unpermute(a, r, w, residual=res))(x, rm, w, residual)
+    want = jax.jit(lambda a, r, w, res: jmp.moe_unpermute(a, r, w, out_dtype=out_dtype) + res)(x, rm, w, residual)
+    assert got.dtype == jnp.dtype(out_dtype)
+    assert_bits_equal(got, want)
+
+
+def test_residual_gradients_and_vmap():
+    T, R, H, K = 33, 70, 40, 3
+    x, rm, w = random_float((R, H), jnp.bfloat16), random_row_map(T, K, R), random_float((T, K), jnp.float32)
+    residual, ct = random_float((T, H), jnp.bfloat16), random_float((T, H), jnp.float32)
+    fused = lambda a, w, res: jnp.vdot(ct, jmp.moe_unpermute(a, rm, w, residual=res).astype(jnp.float32))
+    after = lambda a, w, res: jnp.vdot(ct, (jmp.moe_unpermute(a, rm, w) + res).astype(jnp.float32))
+    for g, h in zip(jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(x, w, residual),
+                    jax.jit(jax.grad(after, argnums=(0, 1, 2)))(x, w, residual)):
+        assert_bits_equal(g, h)
+    # in a tangent's place (linear in x and the residual together): its transpose
+    ct16 = ct.astype(jnp.bfloat16)
+    for g, h in zip(jax.linear_transpose(lambda a, res: jmp.moe_unpermute(a, rm, w, residual=res), x, residual)(ct16),
+                    jax.linear_transpose(lambda a, res: jmp.moe_unpermute(a, rm, w) + res, x, residual)(ct16)):
+        assert_bits_equal(g, h)
+    # vmapped residual over one shared x (batch extents 1 and 3), and the other way round
+    residuals = random_float((3, T, H), jnp.bfloat16)
+    got = jax.jit(jax.vmap(lambda res: jmp.moe_unpermute(x, rm, w, residual=res)))(residuals)
+    xs = random_float((3, R, H), jnp.bfloat16)
+    got_xs = jax.jit(jax.vmap(lambda a: jmp.moe_unpermute(a, rm, w, residual=residual)))(xs)
+    for b in range(3):
+        assert_bits_equal(got[b], jmp.moe_unpermute(x, rm, w) + residuals[b])
+        assert_bits_equal(got_xs[b], jmp.moe_unpermute(xs[b], rm, w) + residual)
+
+
+def test_residual_errors():
+    x, rm = random_float((20, 16), jnp.bfloat16), random_row_map(5, 2, 20)
+    with pytest.raises(ValueError, match="residual must have shape"):
+        jmp.moe_unpermute(x, rm, residual=jnp.zeros((5, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="residual must have shape .* dtype float32"):
+        jmp.moe_unpermute(x, rm, out_dtype=jnp.float32, residual=jnp.zeros((5, 16), jnp.bfloat16))
+
+
 def test_h_zero():
     out = jmp.moe_unpermute(jnp.ones((4, 0), jnp.float32), random_row_map(3, 2, 4))
     assert out.shape == (3, 0)
