@@ -305,22 +305,20 @@ auto bind_permute(B b) {
       .template Ret<ffi::AnyBuffer>();  // workspace
 }
 
+// The operands of the weighted-row ops: rows (expert_out or x), row_map, weights.
+template <typename B>
+auto bind_weighted_rows(B&& b) {  // by reference: a binding cannot be moved into a parameter
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<I32Buffer>().template Arg<ffi::AnyBuffer>();
+}
+
 template <typename B>
 auto bind_unpermute(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // expert_out
-      .template Arg<I32Buffer>()       // row_map
-      .template Arg<ffi::AnyBuffer>()  // weights
-      .template Attr<int64_t>("has_weights")
-      .template Ret<ffi::AnyBuffer>();
+  return bind_weighted_rows(std::move(b)).template Attr<int64_t>("has_weights").template Ret<ffi::AnyBuffer>();
 }
 
 template <typename B>
 auto bind_unpermute_add(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // expert_out
-      .template Arg<I32Buffer>()       // row_map
-      .template Arg<ffi::AnyBuffer>()  // weights
+  return bind_weighted_rows(std::move(b))
       .template Arg<ffi::AnyBuffer>()  // residual
       .template Attr<int64_t>("has_weights")
       .template Ret<ffi::AnyBuffer>();
@@ -328,10 +326,7 @@ auto bind_unpermute_add(B b) {
 
 template <typename B>
 auto bind_scatter(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<I32Buffer>()       // row_map
-      .template Arg<ffi::AnyBuffer>()  // weights
+  return bind_weighted_rows(std::move(b))
       .template Attr<int64_t>("has_weights")
       .template Ret<ffi::AnyBuffer>()   // rows
       .template Ret<ffi::AnyBuffer>();  // workspace
