@@ -141,7 +141,7 @@ def stage_split(impl: str, x, router, w_in, w_out, K: int, bwd: bool, iterations
 
 def fuses_first_gemm(x, ids, w_in, bwd: bool) -> bool:
     """Whether `moe_mlp`'s timed pass runs the fused first GEMM (its forward on sm_90, bf16/f16)."""
-    return not bwd and layer._gathers(x, ids, w_in, "swiglu")
+    return not bwd and layer.gathers_rows(x, ids, w_in, "swiglu")
 
 
 def non_gemm_share(split: dict | None) -> float | None:

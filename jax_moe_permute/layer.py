@@ -238,7 +238,7 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, residual, a
         return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer,
                                          residual=residual)
     w_in_layer, w_out_layer = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
-    if _gathers(x, ids, w_in_layer, activation):
+    if gathers_rows(x, ids, w_in_layer, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
         return ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype,
@@ -248,7 +248,7 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, residual, a
                                   residual)
 
 
-def _gathers(x, ids, w_in, activation, differentiated=False) -> bool:
+def gathers_rows(x, ids, w_in, activation, differentiated=False) -> bool:
     """Whether the first GEMM gathers its rows from x itself (gather_gemm.py's fused kernel)."""
     return x.shape[0] < _EXACT_TOKENS and gather_gemm.layer_kernel_applies(x, w_in, x.shape[0] * ids.shape[1],
                                                                            activation, differentiated)
@@ -307,7 +307,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     x, weights, ids, w_in, w_out, expert_map, layer, residual = primals
     dx, dweights, _, dw_in, dw_out, _, _, dresidual = (t if _live(t) else None for t in tangents)
     w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
-    if _gathers(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
+    if gathers_rows(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)
     else:

@@ -115,7 +115,7 @@ def test_bad_arguments():
 def test_layer_branch_matches_dense(monkeypatch, activation, with_map):
     """moe_mlp's gathered branch (routing_rows, the primitive, the JVP's saved pre-activation),
     forced where the kernel does not run: forward and gradients equal the dense MoE."""
-    monkeypatch.setattr(layer, "_gathers", lambda *a, **k: True)
+    monkeypatch.setattr(layer, "gathers_rows", lambda *a, **k: True)
     T, E, K, H, F = 13, 6, 3, 8, 5
     x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
     ids = ids.at[0, 0].set(-1).at[1, 1].set(E).at[2, 2].set(ids[2, 1])
