@@ -141,7 +141,7 @@ def moe_unpermute(
       topk_weights: [T, K] float32, bfloat16 or float16, or None meaning 1.
       out_dtype: result dtype, default expert_out.dtype (residual's dtype where it is given).
       residual: optional [T, H'] of out_dtype added to the result (a decoder block's
-        `x + moe(x)`), bit for bit the add after the op; on CUDA in the same launch.
+        `x + moe(x)`), bit for bit the add after the op.
 
     Returns out [T, H'] with out[t] = sum_k w[t,k] * expert_out[row_map[t,k]], accumulated
     in float32 in ascending k (no atomics: bitwise reproducible).
