@@ -157,8 +157,10 @@ def moe_unpermute(
         weights = jnp.asarray(topk_weights)[None]
     else:
         weights = primitives.placeholder(3)
+    if residual is not None and not (hasattr(residual, "shape") and hasattr(residual, "dtype")):
+        raise ValueError(f"{op}: residual must be an array [T, H'], got {type(residual).__name__}")
     if out_dtype is None:
-        out_dtype = expert_out.dtype if residual is None else getattr(residual, "dtype", None)
+        out_dtype = expert_out.dtype if residual is None else residual.dtype
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in HIDDEN_DTYPES:
         raise TypeError(f"{op}: out_dtype {out_dtype.name} is not supported; supported dtypes: "
@@ -168,9 +170,9 @@ def moe_unpermute(
     if residual is None:
         return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0]
     want = (row_map.shape[0], expert_out.shape[1])
-    if not hasattr(residual, "shape") or tuple(residual.shape) != want or residual.dtype != out_dtype:
+    if tuple(residual.shape) != want or residual.dtype != out_dtype:
         raise ValueError(f"{op}: residual must have shape {want} and dtype {out_dtype.name} (out_dtype), got "
-                         f"{getattr(residual, 'shape', type(residual))} {getattr(residual, 'dtype', '')}")
+                         f"{tuple(residual.shape)} {residual.dtype}")
     if out_dtype not in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8: the add after the op
         return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0] + residual
     return primitives.unpermute_add(*args, jnp.asarray(residual)[None], has_weights=has_weights)[0]

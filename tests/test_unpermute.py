@@ -158,6 +158,8 @@ def test_residual_errors():
         jmp.moe_unpermute(x, rm, residual=jnp.zeros((5, 8), jnp.bfloat16))
     with pytest.raises(ValueError, match="residual must have shape .* dtype float32"):
         jmp.moe_unpermute(x, rm, out_dtype=jnp.float32, residual=jnp.zeros((5, 16), jnp.bfloat16))
+    with pytest.raises(ValueError, match="residual must be an array"):
+        jmp.moe_unpermute(x, rm, residual=[[0.0] * 16] * 5)
 
 
 def test_h_zero():
