@@ -167,12 +167,12 @@ def moe_unpermute(
                         f"{_names(HIDDEN_DTYPES)}")
     args = (jnp.asarray(expert_out)[None], to_int32(row_map)[None], weights)
     has_weights = topk_weights is not None
-    if residual is None:
-        return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0]
-    want = (row_map.shape[0], expert_out.shape[1])
-    if tuple(residual.shape) != want or residual.dtype != out_dtype:
-        raise ValueError(f"{op}: residual must have shape {want} and dtype {out_dtype.name} (out_dtype), got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
-    if out_dtype not in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8: the add after the op
-        return primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0] + residual
-    return primitives.unpermute_add(*args, jnp.asarray(residual)[None], has_weights=has_weights)[0]
+    if residual is not None:
+        want = (row_map.shape[0], expert_out.shape[1])
+        if tuple(residual.shape) != want or residual.dtype != out_dtype:
+            raise ValueError(f"{op}: residual must have shape {want} and dtype {out_dtype.name} (out_dtype), got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        if out_dtype in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8: the add after the op
+            return primitives.unpermute_add(*args, jnp.asarray(residual)[None], has_weights=has_weights)[0]
+    out = primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0]
+    return out if residual is None else out + residual

@@ -203,26 +203,29 @@ def _bilinear_jvp(p, linear):
     return jvp
 
 
-def _unpermute_jvp(primals, tangents, *, out_dtype, has_weights):
-    """With both expert rows and weights varying, one unpermute_tangent (whose transpose is
-    the fused backward) instead of two unpermutes transposed apart."""
+def _unpermute_tangents(primals, tangents, *, out_dtype, has_weights) -> list:
+    """The live terms of unpermute's tangent. With both expert rows and weights varying, one
+    unpermute_tangent (whose transpose is the fused backward) instead of two unpermutes
+    transposed apart."""
     x, row_map, weights = primals
     dx, _, dw = tangents
-    if type(dx) is ad.Zero or type(dw) is ad.Zero:
-        return _bilinear_jvp(unpermute_p, (0, 2))(primals, tangents, out_dtype=out_dtype, has_weights=has_weights)
-    out = unpermute_p.bind(x, row_map, weights, out_dtype=out_dtype, has_weights=has_weights)
-    return out, unpermute_tangent_p.bind(dx, dw, x, row_map, weights, out_dtype=out_dtype)
+    if type(dx) is not ad.Zero and type(dw) is not ad.Zero:
+        return [unpermute_tangent_p.bind(dx, dw, x, row_map, weights, out_dtype=out_dtype)]
+    bind = lambda a, w: unpermute_p.bind(a, row_map, w, out_dtype=out_dtype, has_weights=has_weights)
+    return [bind(a, w) for a, w in ((dx, weights), (x, dw)) if type(a) is not ad.Zero and type(w) is not ad.Zero]
+
+
+def _unpermute_jvp(primals, tangents, *, out_dtype, has_weights):
+    out = unpermute_p.bind(*primals, out_dtype=out_dtype, has_weights=has_weights)
+    return out, _sum(_unpermute_tangents(primals, tangents, out_dtype=out_dtype, has_weights=has_weights), out)
 
 
 def _unpermute_add_jvp(primals, tangents, *, has_weights):
     """unpermute's tangent plus the residual's."""
-    x, row_map, weights, residual = primals
-    out = unpermute_add_p.bind(x, row_map, weights, residual, has_weights=has_weights)
-    _, d_sum = _unpermute_jvp((x, row_map, weights), tangents[:3], out_dtype=out.dtype, has_weights=has_weights)
-    terms = [t for t in (d_sum, tangents[3]) if type(t) is not ad.Zero]
-    if not terms:
-        return out, _zero(out)
-    return out, jnp.broadcast_to(_sum(terms, out), out.shape)
+    out = unpermute_add_p.bind(*primals, has_weights=has_weights)
+    terms = _unpermute_tangents(primals[:3], tangents[:3], out_dtype=out.dtype, has_weights=has_weights)
+    terms += [tangents[3]] if type(tangents[3]) is not ad.Zero else []
+    return out, jnp.broadcast_to(_sum(terms, out), out.shape) if terms else _zero(out)
 
 
 def _unpermute_transpose(ct, x, row_map, weights, *, out_dtype, has_weights):

@@ -113,8 +113,8 @@ def test_batched_matches_a_loop():
         assert_close(got[b], jmp.reference.moe_unpermute(xs[b], rms[b], ws[b]), jnp.bfloat16)
 
 
-# The residual add in the unpermute's launch equals the add after the op bit for bit: on CUDA
-# both kernels (small grids: T = 1, 5; grid-stride: 1001 tokens), odd H (scalar accesses), T = 0.
+# The residual in the unpermute equals the add after the op bit for bit: small grids (T = 1, 5)
+# and grid-stride ones (1001 tokens) on CUDA, odd H (scalar accesses), T = 0.
 @pytest.mark.parametrize("T,R,H,K", [(0, 4, 8, 2), (1, 9, 2048, 8), (5, 30, 7, 3), (64, 512, 2048, 8),
                                      (1001, 2100, 1024, 2)])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
