@@ -42,6 +42,13 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_ma
   return cuda_error(cuda::unpermute(a, stream), "unpermute");
 }
 
+ffi::Error UnpermuteAddCuda(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                            ffi::AnyBuffer residual, int64_t has_weights, ffi::Result<ffi::AnyBuffer> out) {
+  UnpermuteArgs a;
+  if (auto err = decode_unpermute_add(x, row_map, weights, residual, has_weights, *out, &a); !err.success()) return err;
+  return cuda_error(cuda::unpermute(a, stream), "unpermute_add");
+}
+
 ffi::Error ScatterCuda(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
                        int64_t has_weights, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> workspace) {
@@ -155,6 +162,8 @@ ffi::Error RouterHiddenStackedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteCuda, moe::PermuteCuda, MOE_CUDA_BINDING(moe::bind_permute),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCuda, moe::UnpermuteCuda, MOE_CUDA_BINDING(moe::bind_unpermute),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteAddCuda, moe::UnpermuteAddCuda, MOE_CUDA_BINDING(moe::bind_unpermute_add),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeScatterCuda, moe::ScatterCuda, MOE_CUDA_BINDING(moe::bind_scatter),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -157,6 +157,21 @@ inline ffi::Error decode_unpermute(ffi::AnyBuffer x, I32Buffer row_map, ffi::Any
   return decode_weighted_rows("unpermute", x, row_map, weights, has_weights, out, /*rows_in=*/true, a);
 }
 
+// unpermute plus a residual [B or 1, T, H] of out's dtype (UnpermuteArgs::residual).
+inline ffi::Error decode_unpermute_add(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
+                                       ffi::AnyBuffer residual, int64_t has_weights, ffi::AnyBuffer out,
+                                       UnpermuteArgs* a) {
+  if (auto err = decode_unpermute(x, row_map, weights, has_weights, out, a); !err.success()) return err;
+  const int64_t batch = a->batch, T = a->tokens, H = a->hidden_size;
+  if (residual.dimensions().size() != 3 || residual.dimensions()[1] != T || residual.dimensions()[2] != H ||
+      residual.element_type() != out.element_type())
+    return invalid("unpermute_add: residual must be [B, T, H] of the output's dtype");
+  MOE_STRIDE(res_stride, residual, T * H);
+  a->residual = residual.untyped_data();
+  a->res_bstride = res_stride;
+  return ffi::Error::Success();
+}
+
 inline ffi::Error decode_scatter(ffi::AnyBuffer x, I32Buffer row_map, ffi::AnyBuffer weights,
                                  int64_t has_weights, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
                                  ScatterArgs* a) {
@@ -290,22 +305,28 @@ auto bind_permute(B b) {
       .template Ret<ffi::AnyBuffer>();  // workspace
 }
 
+// The operands of the weighted-row ops: rows (expert_out or x), row_map, weights.
+template <typename B>
+auto bind_weighted_rows(B&& b) {  // by reference: a binding cannot be moved into a parameter
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<I32Buffer>().template Arg<ffi::AnyBuffer>();
+}
+
 template <typename B>
 auto bind_unpermute(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // expert_out
-      .template Arg<I32Buffer>()       // row_map
-      .template Arg<ffi::AnyBuffer>()  // weights
+  return bind_weighted_rows(std::move(b)).template Attr<int64_t>("has_weights").template Ret<ffi::AnyBuffer>();
+}
+
+template <typename B>
+auto bind_unpermute_add(B b) {
+  return bind_weighted_rows(std::move(b))
+      .template Arg<ffi::AnyBuffer>()  // residual
       .template Attr<int64_t>("has_weights")
       .template Ret<ffi::AnyBuffer>();
 }
 
 template <typename B>
 auto bind_scatter(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<I32Buffer>()       // row_map
-      .template Arg<ffi::AnyBuffer>()  // weights
+  return bind_weighted_rows(std::move(b))
       .template Attr<int64_t>("has_weights")
       .template Ret<ffi::AnyBuffer>()   // rows
       .template Ret<ffi::AnyBuffer>();  // workspace

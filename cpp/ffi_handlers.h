@@ -12,6 +12,7 @@ XLA_FFI_Error* MoeRouterCpu(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_Error* MoePermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeUnpermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeUnpermuteAddCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeScatterCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeWeightGradCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeUnpermuteBwdCuda(XLA_FFI_CallFrame* call_frame);

@@ -36,6 +36,9 @@ struct UnpermuteArgs {
   const void* weights; Dtype w_dtype; int64_t w_bstride;  // weights null means 1
   int64_t batch, tokens, topk, hidden_size;
   void* out; Dtype out_dtype;
+  // Optional residual [B or 1, T, H] of out's dtype: out = residual + the sum rounded to out's
+  // dtype first (what XLA's add after the unpermute gives, bit for bit). Null: none.
+  const void* residual = nullptr; int64_t res_bstride = 0;
 };
 
 // out[b,r] = sum over (t,k) with row_map[b,t,k] == r of w[b,t,k] * x[b,t], in float32,

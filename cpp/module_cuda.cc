@@ -30,6 +30,7 @@ NB_MODULE(_cuda, m) {
     nb::dict d;
     d["permute"] = moe::capsule(MoePermuteCuda);
     d["unpermute"] = moe::capsule(MoeUnpermuteCuda);
+    d["unpermute_add"] = moe::capsule(MoeUnpermuteAddCuda);
     d["scatter"] = moe::capsule(MoeScatterCuda);
     d["weight_grad"] = moe::capsule(MoeWeightGradCuda);
     d["unpermute_bwd"] = moe::capsule(MoeUnpermuteBwdCuda);

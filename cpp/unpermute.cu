@@ -1,6 +1,7 @@
 // unpermute: out[b,t] = sum_k w[b,t,k] * x[b, row_map[b,t,k]], accumulated in float32 in
-// ascending k. Grids that fill the GPU take unpermute_kernel (grid-stride over tokens, rows
-// loaded in batches of kBatch); small, latency-bound grids take unpermute_few_kernel.
+// ascending k, plus an optional residual[b,t] (UnpermuteArgs). Grids that fill the GPU take
+// unpermute_kernel (grid-stride over tokens, rows loaded in batches of kBatch); small,
+// latency-bound grids take unpermute_few_kernel.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -31,6 +32,16 @@ __device__ __forceinline__ void add_weighted(const Vec<X, V>& raw, float w, floa
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[i] += w * to_f32(raw.v[i]);
   }
+}
+
+// out = residual + the sum (rounded to O first, as an add after the op would see it), where the
+// call has a residual; `at` is the output element's offset within its batch element.
+template <typename O, int V>
+__device__ __forceinline__ void add_residual(const UnpermuteArgs& a, int64_t b, int64_t at, float (&acc)[V]) {
+  if (a.residual == nullptr) return;
+  const Vec<O, V> r = *reinterpret_cast<const Vec<O, V>*>(static_cast<const O*>(a.residual) + b * a.res_bstride + at);
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = to_f32(from_f32<O>(acc[i])) + to_f32(r.v[i]);
 }
 
 // ---- grids that fill the GPU ---------------------------------------------------------------------
@@ -80,6 +91,7 @@ __global__ void __launch_bounds__(kGatherThreads, gather_min_blocks(sizeof(X), k
         add_weighted(raw[j], kWeightsFirst ? w[j] : weight_at(a.weights, a.w_dtype, w0 + k0 + j), acc);
       }
     }
+    add_residual<O, V>(a, b, (g - b * a.tokens) * H + h, acc);
     store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
   }
 }
@@ -139,6 +151,7 @@ __global__ void __launch_bounds__(kGatherThreads) unpermute_few_kernel(Unpermute
 #pragma unroll
   for (int j = 0; j < kFewMaxK; ++j)
     if (r[j] >= 0) add_weighted(raw[j], w[j], acc);  // skipped, not added as 0: keeps -0.0 and NaN rules
+  add_residual<O, V>(a, b, int64_t{blockIdx.y} * H + h, acc);
   store_f32<O, V>(static_cast<O*>(a.out) + g * H + h, acc);
 }
 
@@ -194,8 +207,9 @@ cudaError_t unpermute(const UnpermuteArgs& a, cudaStream_t stream) {
     visit_output<CudaTypes>(a.out_dtype, [&](auto otag) {
       using O = typename decltype(otag)::type;
       constexpr int kVec = kGatherVecBytes / sizeof(X);
-      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) &&
-                       reinterpret_cast<uintptr_t>(a.out) % (sizeof(O) * kVec) == 0;
+      const auto aligned_out = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % (sizeof(O) * kVec) == 0; };
+      const bool vec = a.hidden_size % kVec == 0 && aligned16(a.x) && aligned_out(a.out) &&
+                       (a.residual == nullptr || aligned_out(a.residual));
       result = vec ? launch_unpermute<X, O, kVec>(a, stream) : launch_unpermute<X, O, 1>(a, stream);
     });
   });

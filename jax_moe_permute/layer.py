@@ -173,8 +173,8 @@ def moe_mlp(
         cost XLA a host round trip per layer (docs/layer.md, "Stacked layers").
       residual: optional [T, H'] in x's dtype, added to the result (a decoder block's
         `x + moe_mlp(x, ...)`, equal to that add): the fused decode kernels add it in their last
-        launch, which saves the add's own launch in a decode step; the other paths pass it to
-        the unpermute (moe_unpermute's `residual`).
+        launch, the other paths in the unpermute's (moe_unpermute's `residual`), which saves
+        the add's own launch in a decode step.
 
     Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
     """
@@ -268,7 +268,7 @@ def routing_rows(x, ids, num_experts, expert_map=None, num_local_experts=None):
 
 def unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map=None, num_local_experts=None,
                            layer=None, residual=None):
-    """permute -> expert_mlp -> weighted unpermute (+ residual, by the unpermute); ids index
+    """permute -> expert_mlp -> weighted unpermute (+ residual, in the unpermute's launch); ids index
     w_in's experts unless expert_map maps them. With `layer`, w_in and w_out are stacks over layers
     whose grouped GEMMs read that layer."""
     num_experts = w_in.shape[-3] if expert_map is None else expert_map.shape[0]

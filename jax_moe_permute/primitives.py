@@ -4,7 +4,7 @@ foot, one block per primitive registers its abstract evaluation (shapes.py), low
 
   moe_permute           (hidden, topk_ids, expert_map) -> (rows, group_sizes, row_map)
   moe_unpermute         (x, row_map, weights) -> out[t] = sum_k w[t,k] x[row_map[t,k]]
-  moe_unpermute_add     (x, row_map, weights, residual) -> residual + unpermute
+  moe_unpermute_add     (x, row_map, weights, residual) -> residual + unpermute, in one launch
   moe_scatter           (x, row_map, weights) -> out[r] = sum_{row_map[t,k]=r} w[t,k] x[t]
   moe_weight_grad       (c, x, row_map)       -> dw[t,k] = <c[t], x[row_map[t,k]]>
   moe_unpermute_tangent (dx, dw, x, row_map, w) -> unpermute(dx, w) + unpermute(x, dw)
@@ -332,7 +332,7 @@ batching.primitive_batchers[unpermute_p] = batcher(unpermute_p)
 ad.primitive_jvps[unpermute_p] = _unpermute_jvp
 ad.primitive_transposes[unpermute_p] = _unpermute_transpose
 
-# ---- moe_unpermute_add (a platform's kernel "unpermute_add" where it has one; unpermute + add) ----
+# ---- moe_unpermute_add (one launch on CUDA; unpermute + add elsewhere) -------------------------
 unpermute_add_p.def_abstract_eval(shapes.unpermute_add)
 _register_lowerings(unpermute_add_p, _composite_unpermute_add, "unpermute_add", shapes.unpermute_add,
                     ("has_weights",))

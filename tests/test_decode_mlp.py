@@ -249,6 +249,16 @@ def test_residual_equals_the_add(T, E, K, H, F):
         assert_close_to(batched(stacked_x, stacked_r)[v], plain(stacked_x[v], w, ids, w_in, w_out, r), 2e-2)
 
 
+@needs_gpu
+def test_unfused_residual_in_the_unpermute():
+    """Above decode sizes (the CUTLASS path) the residual rides in the unpermute's launch."""
+    x, w, ids, w_in, w_out = decode_inputs(64, 16, 4, 256, 128)
+    fused, plain = residual_pair()
+    assert "jax_moe_permute.unpermute_add" in lowered_text(fused, x, w, ids, w_in, w_out, x)
+    np.testing.assert_array_equal(np.asarray(fused(x, w, ids, w_in, w_out, x), np.float32),
+                                  np.asarray(plain(x, w, ids, w_in, w_out, x), np.float32))
+
+
 def test_residual_bad_arguments():
     x, w, ids, w_in, w_out = decode_inputs(2, 4, 2, 8, 8)
     for bad in (jnp.zeros((2, 9), jnp.bfloat16), jnp.zeros((3, 8), jnp.bfloat16), jnp.zeros((2, 8), jnp.float32)):

@@ -59,17 +59,20 @@ struct GroupedGemmArgs {
 };
 
 // Bytes of workspace for `problems` = batch * groups problems: per-problem shapes, pointers and
-// strides, per-batch row ends, and CUTLASS's own workspace.
+// strides, and CUTLASS's own workspace (batch: unused by the CUTLASS layouts).
 template <Dtype D, Layout L, Tile T>
 int64_t grouped_gemm_workspace_bytes(int64_t problems, int64_t batch);
 
 template <Dtype D, Layout L, Tile T>
 cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
-// Zero the output rows no group covers (kForward, kTransposedRhs) or the weight gradients of
-// groups without rows (kWeightGrad); reads the sizes the setup kernel left in the workspace.
+// Zero the weight gradients of groups without rows (kWeightGrad; reads the sizes the setup kernel
+// left in the workspace), or, given no groups (group_rows null), the whole forward output. With
+// groups, the forward layouts' rows past the sum of the sizes are zeroed by the setup kernel.
 cudaError_t zero_uncovered(const GroupedGemmArgs& args, Layout layout, int64_t element_bytes,
-                           const int32_t* group_rows, const int64_t* row_ends, cudaStream_t stream);
+                           const int32_t* group_rows, cudaStream_t stream);
+// Blocks of 256 threads for a grid-stride fill of `vecs` 16-byte stores (at most four waves).
+int64_t zero_fill_blocks(int64_t vecs);
 
 // The decode kernel of the forward layout (grouped_gemm_decode.cu): CUDA cores streaming each
 // routed matrix once, split along its rows into decode_splits(args) parts whose float32 partial

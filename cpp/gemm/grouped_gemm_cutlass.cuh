@@ -87,12 +87,11 @@ struct WorkspaceLayout {
 
   static constexpr int64_t align(int64_t x) { return (x + 255) / 256 * 256; }
 
-  int64_t problems, batch;
-  int64_t off_rows = 0, off_ends, off_shapes, off_a, off_b, off_d, off_sa, off_sb, off_sd, off_cutlass;
+  int64_t problems;
+  int64_t off_rows = 0, off_shapes, off_a, off_b, off_d, off_sa, off_sb, off_sd, off_cutlass;
 
-  WorkspaceLayout(int64_t problems_, int64_t batch_) : problems(problems_), batch(batch_) {
-    off_ends = off_rows + align(problems * sizeof(int32_t));
-    off_shapes = off_ends + align(batch * sizeof(int64_t));
+  explicit WorkspaceLayout(int64_t problems_) : problems(problems_) {
+    off_shapes = off_rows + align(problems * sizeof(int32_t));
     off_a = off_shapes + align(problems * sizeof(Shape));
     off_b = off_a + align(problems * sizeof(void*));
     off_d = off_b + align(problems * sizeof(void*));
@@ -103,11 +102,14 @@ struct WorkspaceLayout {
   }
 };
 
-// Per problem (b, g): clamped rows of the group, its shape, operand pointers and strides.
-// One block per batch element; the group starts come from a block-wide scan of the sizes.
+// Per problem (b, g): clamped rows of the group, its shape, operand pointers and strides; the
+// group starts come from a block-wide scan of the sizes. Grid (batch, zero_blocks): block (b, 0)
+// writes batch element b's problems; in the forward and transposed layouts every block of b also
+// zeroes its share of the output rows past the sum of the sizes, which no group writes (one
+// launch less than a separate fill: a decode step runs two such GEMMs a layer).
 template <Layout L, class Shape, class Element, class StrideA, class StrideB, class StrideD>
-__global__ void __launch_bounds__(256) setup_problems(GroupedGemmArgs a, int32_t* group_rows, int64_t* row_ends,
-                                                      Shape* shapes, const Element** ptr_a, const Element** ptr_b,
+__global__ void __launch_bounds__(256) setup_problems(GroupedGemmArgs a, int32_t* group_rows, Shape* shapes,
+                                                      const Element** ptr_a, const Element** ptr_b,
                                                       Element** ptr_d, StrideA* stride_a, StrideB* stride_b,
                                                       StrideD* stride_d, StrideA sa, StrideB sb, StrideD sd) {
   const int64_t b = blockIdx.x, G = a.groups, M = a.rows, K = a.k, N = a.n;
@@ -126,14 +128,22 @@ __global__ void __launch_bounds__(256) setup_problems(GroupedGemmArgs a, int32_t
     scan[threadIdx.x] += add;
     __syncthreads();
   }
-  int64_t start = scan[threadIdx.x] - local;
-  if (threadIdx.x == blockDim.x - 1) row_ends[b] = std::min(scan[threadIdx.x], M);
+  Element* out = static_cast<Element*>(a.out);
+  if constexpr (L != Layout::kWeightGrad) {
+    // Rows [min(sum, M), M) of out[b], 16 bytes a store (rows are multiples of 16 bytes).
+    const int64_t row_vecs = N * int64_t(sizeof(Element)) / 16;
+    uint4* base = reinterpret_cast<uint4*>(out + b * M * N);
+    for (int64_t i = std::min(scan[blockDim.x - 1], M) * row_vecs + blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+         i < M * row_vecs; i += int64_t(gridDim.y) * blockDim.x)
+      base[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (blockIdx.y != 0) return;
 
+  int64_t start = scan[threadIdx.x] - local;
   const Element* lhs = static_cast<const Element*>(a.lhs) + b * a.lhs_batch_stride;
   const Element* rhs = static_cast<const Element*>(a.rhs) + b * a.rhs_batch_stride;
   if (L != Layout::kWeightGrad && a.rhs_layer != nullptr)
     rhs += decode::stacked_layer(a.rhs_layer, a.rhs_layers) * G * K * N;
-  Element* out = static_cast<Element*>(a.out);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t s = std::min(start, M);
     const int64_t rows = std::min<int64_t>(std::max(sizes[g], 0), M - s);
@@ -142,7 +152,7 @@ __global__ void __launch_bounds__(256) setup_problems(GroupedGemmArgs a, int32_t
     group_rows[p] = static_cast<int32_t>(rows);
     ptr_a[p] = lhs + s * K;
     if constexpr (L == Layout::kWeightGrad) {
-      // (M', N', K') = (K, N, rows); a group without rows is skipped here and zeroed by zero_uncovered.
+      // (M', N', K') = (K, N, rows); a group without rows is skipped here and zeroed by zero_empty_groups.
       shapes[p] = rows > 0 ? Shape{int(K), int(N), int(rows)} : Shape{0, int(N), 0};
       ptr_b[p] = rhs + s * N;
       ptr_d[p] = out + p * K * N;
@@ -191,8 +201,8 @@ typename Config::Gemm::Arguments make_arguments(const GroupedGemmArgs& a, char* 
 }
 
 template <class Config>
-int64_t workspace_bytes(int64_t problems, int64_t batch) {
-  WorkspaceLayout<Config> w(problems, batch);
+int64_t workspace_bytes(int64_t problems) {
+  WorkspaceLayout<Config> w(problems);
   GroupedGemmArgs dummy;
   auto args = make_arguments<Config>(dummy, nullptr, w);
   return w.off_cutlass + int64_t(Config::Gemm::get_workspace_size(args));
@@ -203,11 +213,10 @@ cudaError_t run_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   using W = WorkspaceLayout<Config>;
   const int64_t problems = a.batch * a.groups;
   if (a.batch == 0) return cudaSuccess;
-  W w(problems, a.batch);
-  if (a.workspace_bytes < workspace_bytes<Config>(problems, a.batch)) return cudaErrorInvalidValue;
+  W w(problems);
+  if (a.workspace_bytes < workspace_bytes<Config>(problems)) return cudaErrorInvalidValue;
   char* ws = static_cast<char*>(a.workspace);
   auto* group_rows = reinterpret_cast<int32_t*>(ws + w.off_rows);
-  auto* row_ends = reinterpret_cast<int64_t*>(ws + w.off_ends);
   using E = typename Config::Element;
 
   // The strides do not depend on a group's row count (every operand is packed along its rows).
@@ -225,17 +234,23 @@ cudaError_t run_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   sd = cutlass::make_cute_packed_stride(typename W::StrideD{}, {L == Layout::kWeightGrad ? int(a.k) : M1, int(a.n), 1});
 
   if (problems > 0) {
-    setup_problems<L><<<a.batch, 256, 0, stream>>>(
-        a, group_rows, row_ends, reinterpret_cast<typename W::Shape*>(ws + w.off_shapes),
+    // The forward layouts' setup also zeroes the rows past the sum of the sizes (blocks_for: as
+    // many blocks as that fill needs, at most four waves' worth).
+    const int64_t fill_vecs = L == Layout::kWeightGrad ? 0 : a.rows * a.n * int64_t(sizeof(E)) / 16;
+    const dim3 grid(unsigned(a.batch), unsigned(zero_fill_blocks(fill_vecs)));
+    setup_problems<L><<<grid, 256, 0, stream>>>(
+        a, group_rows, reinterpret_cast<typename W::Shape*>(ws + w.off_shapes),
         reinterpret_cast<const E**>(ws + w.off_a), reinterpret_cast<const E**>(ws + w.off_b),
         reinterpret_cast<E**>(ws + w.off_d), reinterpret_cast<typename W::StrideA*>(ws + w.off_sa),
         reinterpret_cast<typename W::StrideB*>(ws + w.off_sb), reinterpret_cast<typename W::StrideD*>(ws + w.off_sd),
         sa, sb, sd);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  if (cudaError_t err = zero_uncovered(a, L, sizeof(E), problems > 0 ? group_rows : nullptr, row_ends, stream);
-      err != cudaSuccess)
-    return err;
+  if (L == Layout::kWeightGrad || problems == 0) {
+    if (cudaError_t err = zero_uncovered(a, L, sizeof(E), problems > 0 ? group_rows : nullptr, stream);
+        err != cudaSuccess)
+      return err;
+  }
   if (problems == 0 || a.rows == 0 || a.k == 0 || a.n == 0) return cudaSuccess;  // nothing to multiply
 
   typename Config::Gemm gemm;
@@ -278,8 +293,8 @@ struct TileConfig<D, L, Tile::k128x128> {
 #define MOE_GROUPED_GEMM_INSTANCE(DTYPE, LAYOUT, TILE)                                                \
   namespace moe::gemm {                                                                                 \
   template <>                                                                                           \
-  int64_t grouped_gemm_workspace_bytes<DTYPE, LAYOUT, TILE>(int64_t problems, int64_t batch) {         \
-    return workspace_bytes<typename TileConfig<DTYPE, LAYOUT, TILE>::type>(problems, batch);            \
+  int64_t grouped_gemm_workspace_bytes<DTYPE, LAYOUT, TILE>(int64_t problems, int64_t /*batch*/) {    \
+    return workspace_bytes<typename TileConfig<DTYPE, LAYOUT, TILE>::type>(problems);                   \
   }                                                                                                     \
   template <>                                                                                           \
   cudaError_t grouped_gemm<DTYPE, LAYOUT, TILE>(const GroupedGemmArgs& args, cudaStream_t stream) {   \

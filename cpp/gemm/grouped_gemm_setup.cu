@@ -1,4 +1,5 @@
-// The grouped GEMM's small helpers: zeroing what no group writes, and the cached SM count.
+// The grouped GEMM's small helpers: zeroing the weight gradients of empty groups (the forward
+// layouts' row tail is zeroed by the setup kernel), and the cached SM count.
 #include <algorithm>
 #include <atomic>
 
@@ -9,16 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kVec = 16;  // bytes per store: rows are multiples of 16 bytes (N % 8 == 0, 2-byte elements)
-
-// Rows [row_ends[b], rows) of out[b]: the rows past the sum of the group sizes.
-__global__ void __launch_bounds__(kThreads) zero_tail_rows(uint4* out, int64_t rows, int64_t row_vecs,
-                                                          const int64_t* row_ends) {
-  const int64_t b = blockIdx.y;
-  const int64_t begin = row_ends[b] * row_vecs, end = rows * row_vecs;
-  uint4* base = out + b * rows * row_vecs;
-  for (int64_t i = begin + blockIdx.x * int64_t(kThreads) + threadIdx.x; i < end; i += int64_t(gridDim.x) * kThreads)
-    base[i] = make_uint4(0, 0, 0, 0);
-}
 
 // out[p] for each problem p whose group has no rows (its weight gradient is zero).
 __global__ void __launch_bounds__(kThreads) zero_empty_groups(uint4* out, int64_t matrix_vecs,
@@ -36,8 +27,10 @@ int64_t blocks_for(int64_t vecs, int64_t cap) {
 
 }  // namespace
 
+int64_t zero_fill_blocks(int64_t vecs) { return blocks_for(vecs, std::max(1, 4 * sm_count())); }
+
 cudaError_t zero_uncovered(const GroupedGemmArgs& a, Layout layout, int64_t element_bytes, const int32_t* group_rows,
-                           const int64_t* row_ends, cudaStream_t stream) {
+                           cudaStream_t stream) {
   if (a.batch == 0 || a.n == 0) return cudaSuccess;
   if (layout == Layout::kWeightGrad) {
     const int64_t vecs = a.k * a.n * element_bytes / kVec, problems = a.batch * a.groups;
@@ -45,16 +38,11 @@ cudaError_t zero_uncovered(const GroupedGemmArgs& a, Layout layout, int64_t elem
     // Blocks of groups that have rows return at once; 32 per group bound that cost for many groups.
     dim3 grid(unsigned(blocks_for(vecs, 32)), unsigned(problems));
     zero_empty_groups<<<grid, kThreads, 0, stream>>>(static_cast<uint4*>(a.out), vecs, group_rows);
-  } else {
-    const int64_t row_vecs = a.n * element_bytes / kVec;
-    if (a.rows == 0 || row_vecs == 0) return cudaSuccess;
-    if (group_rows == nullptr) {  // no groups: every row is past the (empty) sum
-      return cudaMemsetAsync(a.out, 0, a.batch * a.rows * a.n * element_bytes, stream);
-    }
-    dim3 grid(unsigned(blocks_for(a.rows * row_vecs, std::max(1, 4 * sm_count()))), unsigned(a.batch));
-    zero_tail_rows<<<grid, kThreads, 0, stream>>>(static_cast<uint4*>(a.out), a.rows, row_vecs, row_ends);
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
+  // No groups: every row is past the (empty) sum. With groups the setup kernel zeroes the tail.
+  if (group_rows == nullptr && a.rows > 0) return cudaMemsetAsync(a.out, 0, a.batch * a.rows * a.n * element_bytes, stream);
+  return cudaSuccess;
 }
 
 int sm_count() {
