@@ -1,7 +1,7 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
 odd H, expert_map, align_size, every permute path (warp-routed, counted, ranked in one launch,
 tiled, radix sort), forward and backward, unpermute's backward on a row map with shared
-rows, the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap). route_tokens' fused kernel:
+rows, unpermute with a residual, the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap). route_tokens' fused kernel:
 scripts/sanitize_router_cases.py."""
 
 import jax
@@ -62,6 +62,19 @@ def run_shared_rows(T=40, R=30, H=24, K=3):
     return [np.asarray(g).shape for g in grads]
 
 
+def run_residual(T, H, K, R, dtype=jnp.bfloat16, batch=None):
+    """unpermute with a residual in its launch (unpermute_add); under vmap with an unbatched residual."""
+    k = jax.random.split(jax.random.PRNGKey(T + H), 4)
+    lead = () if batch is None else (batch,)
+    x = jax.random.normal(k[0], lead + (R, H)).astype(dtype)
+    rm = jax.random.randint(k[1], lead + (T, K), -1, R + 1)
+    w = jax.random.uniform(k[2], lead + (T, K))
+    residual = jax.random.normal(k[3], (T, H)).astype(dtype)
+    op = lambda a, m, b: jmp.moe_unpermute(a, m, b, residual=residual)
+    out = jax.jit(op if batch is None else jax.vmap(op))(x, rm, w)
+    return np.asarray(out).shape
+
+
 def run_router(T, E, K, dtype=jnp.float32, seed=0, **kw):
     """route's kernel forward and its gradient (the JVP is jnp; the forward runs the kernel again)."""
     k = jax.random.split(jax.random.PRNGKey(seed), 2)
@@ -96,6 +109,9 @@ if __name__ == "__main__":
         vmapped = jax.jit(jax.vmap(lambda a, i: jmp.moe_permute(a, i, 8, align_size=align)))
         jax.block_until_ready(vmapped(h, ids))
         jax.block_until_ready(vmapped(h[:, :3], ids[:, :3]))
+    for case in [dict(T=5, H=40, K=2, R=9), dict(T=700, H=24, K=4, R=2800), dict(T=33, H=7, K=3, R=50, dtype=jnp.float16),
+                 dict(T=70, H=64, K=8, R=500, batch=3)]:
+        print("residual", case, run_residual(**case))
     for case in ROUTER_CASES:
         print("router", case, run_router(**case))
     vmapped_router = jax.jit(jax.vmap(lambda z, b: jmp.route(z, 2, scoring="sigmoid", bias=b)[:2]))
