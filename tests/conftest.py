@@ -1,6 +1,11 @@
 """Shared helpers: fresh random inputs (never zeros) and exact/approximate comparisons."""
 
 import itertools
+import os
+
+# Allocate as needed, not XLA's 75% up front: tests that start a process of their own (the
+# benchmarks) need GPU memory too.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
