@@ -164,6 +164,8 @@ def test_decode_step_graph_replay(tokens, flags):
         assert "jax_moe_permute.router_hidden" in out.stdout, out.stdout
     if tokens == 1:  # and the fused decode MLP with the residual add
         assert "jax_moe_permute.moe_mlp_decode_residual" in out.stdout, out.stdout
+    if tokens == 64:  # the unfused path: the residual in the unpermute's launch
+        assert "jax_moe_permute.unpermute_add" in out.stdout, out.stdout
     print(out.stdout)
 
 
