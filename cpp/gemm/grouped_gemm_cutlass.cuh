@@ -234,8 +234,8 @@ cudaError_t run_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   sd = cutlass::make_cute_packed_stride(typename W::StrideD{}, {L == Layout::kWeightGrad ? int(a.k) : M1, int(a.n), 1});
 
   if (problems > 0) {
-    // The forward layouts' setup also zeroes the rows past the sum of the sizes (blocks_for: as
-    // many blocks as that fill needs, at most four waves' worth).
+    // The forward layouts' setup also zeroes the rows past the sum of the sizes (zero_fill_blocks:
+    // as many blocks as that fill needs, at most four waves' worth).
     const int64_t fill_vecs = L == Layout::kWeightGrad ? 0 : a.rows * a.n * int64_t(sizeof(E)) / 16;
     const dim3 grid(unsigned(a.batch), unsigned(zero_fill_blocks(fill_vecs)));
     setup_problems<L><<<grid, 256, 0, stream>>>(
