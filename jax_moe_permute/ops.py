@@ -141,7 +141,7 @@ def moe_unpermute(
       topk_weights: [T, K] float32, bfloat16 or float16, or None meaning 1.
       out_dtype: result dtype, default expert_out.dtype (residual's dtype where it is given).
       residual: optional [T, H'] of out_dtype added to the result (a decoder block's
-        `x + moe(x)`), bit for bit the add after the op.
+        `x + moe(x)`), bit for bit the add after the op; on CUDA in the unpermute's launch.
 
     Returns out [T, H'] with out[t] = sum_k w[t,k] * expert_out[row_map[t,k]], accumulated
     in float32 in ascending k (no atomics: bitwise reproducible).
@@ -172,7 +172,7 @@ def moe_unpermute(
         if tuple(residual.shape) != want or residual.dtype != out_dtype:
             raise ValueError(f"{op}: residual must have shape {want} and dtype {out_dtype.name} (out_dtype), got "
                              f"{tuple(residual.shape)} {residual.dtype}")
-        if out_dtype in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8: the add after the op
+        if out_dtype in map(jnp.dtype, primitives.KERNEL_OUT_DTYPES):  # float8 takes the add after the op
             return primitives.unpermute_add(*args, jnp.asarray(residual)[None], has_weights=has_weights)[0]
     out = primitives.unpermute(*args, out_dtype, has_weights=has_weights)[0]
     return out if residual is None else out + residual

@@ -1,8 +1,8 @@
 """Small cases for compute-sanitizer (scripts/sanitize.sh): invalid and duplicate ids, T=0,
 odd H, expert_map, align_size, every permute path (warp-routed, counted, ranked in one launch,
 tiled, radix sort), forward and backward, unpermute's backward on a row map with shared
-rows, unpermute with a residual, the router kernel (each scoring, T=0/1, odd E, groups, K=E, vmap). route_tokens' fused kernel:
-scripts/sanitize_router_cases.py."""
+rows, unpermute with a residual, the router kernel (each scoring, T=0/1, odd E, groups, K=E,
+vmap). route_tokens' fused kernel: scripts/sanitize_router_cases.py."""
 
 import jax
 import jax.numpy as jnp
