@@ -237,13 +237,14 @@ def _routed_experts(x, weights, ids, w_in, w_out, expert_map, layer, residual, a
         local = ids if expert_map is None else _local_ids(ids, expert_map)
         return decode_mlp.moe_mlp_decode(x, weights, local, w_in, w_out, activation=activation, layer=layer,
                                          residual=residual)
-    w_in_layer, w_out_layer = ops.layer_weights(w_in, layer), ops.layer_weights(w_out, layer)
-    if gathers_rows(x, ids, w_in_layer, activation):
+    # Stacked weights stay whole: the CUTLASS grouped GEMMs read the layer on the device. The fused
+    # first GEMM takes one layer's weights, which XLA copies out of the stack on every call (768 MiB
+    # a Qwen3-30B-A3B layer; a 24-layer step at T = 64 took 3.1x as long), so it runs unstacked only.
+    if layer is None and gathers_rows(x, ids, w_in, activation):
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
-        h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in_layer, activation=activation)
-        return ops.moe_unpermute(ragged_dot(h, w_out_layer, sizes), row_map, weights, out_dtype=x.dtype,
+        h, _ = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation)
+        return ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype,
                                  residual=residual)
-    # stacked weights stay whole: the grouped GEMMs read the layer on the device
     return unfused_routed_experts(x, weights, ids, w_in, w_out, activation, expert_map, num_local_experts, layer,
                                   residual)
 

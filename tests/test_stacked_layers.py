@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_moe_permute as jmp
-from jax_moe_permute import router_kernel
+from jax_moe_permute import gather_gemm, layer, router_kernel
 from conftest import needs_gpu, random_float
 from test_decode_mlp import assert_close_to
 from test_layer import assert_allclose
@@ -49,6 +49,27 @@ def test_moe_mlp_layer_equals_its_slice(T, E, K, H, F, activation):
     for stack, layer_grad in zip(g[2:], g1[2:]):
         assert_allclose(stack[1], layer_grad)
         assert not np.asarray(stack[0]).any() and not np.asarray(stack[2]).any()
+
+
+def test_stacked_call_keeps_the_stack_whole(monkeypatch):
+    """Where the fused first GEMM (gather_gemm) would run, a call with `layer` takes the grouped
+    GEMMs that read the layer from the stack instead (the fused kernel takes one layer's weights,
+    which XLA would copy out of the stack every call); the unstacked call still takes it. Forced on
+    here, where the kernel itself does not run: the branch is chosen while tracing."""
+    monkeypatch.setattr(layer, "gathers_rows", lambda *a, **k: True)
+    calls = []
+    fused = gather_gemm.gather_gemm
+    monkeypatch.setattr(gather_gemm, "gather_gemm", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    T, E, K, H, F = 9, 4, 2, 8, 6
+    w_in, w_out, _, _ = stacks(E, H, F)
+    x = random_float((T, H), jnp.float32)
+    r = jmp.route(random_float((T, E), jnp.float32, 2.0), K)
+    want = jax.jit(lambda x, wi, wo: jmp.moe_mlp(x, r.weights, r.ids, wi, wo))(x, w_in[2], w_out[2])
+    assert calls, "the forced branch did not take the fused kernel on unstacked weights"
+    calls.clear()
+    got = jax.jit(lambda x, wi, wo, i: jmp.moe_mlp(x, r.weights, r.ids, wi, wo, layer=i))(x, w_in, w_out, 2)
+    assert not calls
+    assert_allclose(got, want)
 
 
 def test_scan_over_layers_with_expert_map():
@@ -227,6 +248,15 @@ def test_decode_kernels_read_the_layer(model):
     want8 = jmp.moe_mlp(x8, r8.weights, r8.ids, w_in[1], w_out[1])
     for i in (1, 1 - NL):
         np.testing.assert_array_equal(np.asarray(big(x8, i), np.float32), np.asarray(want8, np.float32))
+    # at the fused first GEMM's group sizes (128 rows a group) too: the stack stays whole
+    T_big = 128 * E // K
+    xb = random_float((T_big, H), jnp.bfloat16)
+    rb = jmp.route_tokens(xb, router[1], K)
+    prefill = jax.jit(lambda x, i: jmp.moe_mlp(x, rb.weights, rb.ids, w_in, w_out, layer=i))
+    hlo = prefill.lower(xb, 1).as_text()
+    assert "ragged_dot_stacked" in hlo and "jax_moe_permute.gather_gemm" not in hlo
+    assert "jax_moe_permute.gather_gemm" in jax.jit(lambda x: jmp.moe_mlp(x, rb.weights, rb.ids, w_in[1], w_out[1])).lower(xb).as_text()
+    assert_close_to(prefill(xb, 1), jmp.moe_mlp(xb, rb.weights, rb.ids, w_in[1], w_out[1]), 2e-2)
     with router_kernel.hidden_kernel_wherever_it_fits():
         x = random_float((1, H), jnp.bfloat16)
         hlo = jax.jit(lambda x: jmp.route_tokens(x, router, K, layer=2).ids).lower(x).as_text()
