@@ -58,8 +58,8 @@ def kernel_fits(x, w, rows: int, activation: str) -> bool:
 LAYER_MODES = ("forward", "1", "0")
 # Measured faster at Qwen3-30B-A3B's 256 rows a group (T = 4096). From 512 rows on CUTLASS's tiles
 # run near the dense rate (Mixtral's 1024: 715 TFLOP/s in the layer), above this kernel's 400-515.
-# Below, at decode-sized groups, CUTLASS's tiles win: forced on, a Qwen3 decode step took 1.18x /
-# 1.08x as long at T = 8 / 64 (0.5 and 4 rows a group; BENCHMARKS.md, "Decode").
+# Below, at decode-sized groups, CUTLASS's tiles win: forced on, a Qwen3 decode step on an H100
+# took 1.18x / 1.08x as long at T = 8 / 64 (0.5 and 4 rows a group; BENCHMARKS.md, "Decode").
 FORWARD_ROWS_PER_GROUP = (128, 512)
 
 
