@@ -14,11 +14,21 @@ kernel start to last kernel end) and kernel-time sum, kernels and graphs a step.
     python benchmarks/micro/decode_step_ab.py --host MODEL LAYERS T UNROLL
 
 prints where the host's time of a step goes instead (the trace's host events by total time).
+
+    python benchmarks/micro/decode_step_ab.py --inputs MODEL LAYERS TOKENS UNROLLS
+
+times the step's wall clock (per layer, median of 30 steps) as the inputs arrive: `cycle`, four
+different x in turn (the bench's way: a new input buffer every step); `same`, one x every step;
+`chained`, x donated and each step fed the last one's output (a serving loop's carry), for
+ours and the stacked form at each unroll (0: all layers, no loop). A CUDA graph whose buffers
+moved since its last launch is updated on the host first; the modes tell that cost apart.
 Raw output of the runs quoted in BENCHMARKS.md: benchmarks/results/logs/decode-step-ab-h200.txt.
 """
 import collections
 import os
+import statistics
 import sys
+import time
 
 import jax
 
@@ -74,8 +84,34 @@ def host_events(name, layers, T, unroll, steps=10):
         print(f"  {ns / 1e3 / steps:9.1f} ({count[event] / steps:6.1f})  {event}")
 
 
+def input_modes(name, layers, tokens, unrolls, steps=30, warmup=5):
+    model = bd.MODELS[name]
+    params = bd.stacked_weights(model, layers)
+    for T in tokens:
+        xs = bd.decode_inputs(T, model.hidden)
+        for impl in bd.OURS:
+            for unroll in unrolls:
+                u = unroll or layers
+                step = bd.decode_step(impl, model, u)
+                c = jax.jit(step).lower(xs[0], params).compile()
+                walls = dict(cycle=bd.wall_us(c, xs, params, steps, warmup),
+                             same=bd.wall_us(c, xs[:1], params, steps, warmup))
+                donated = jax.jit(step, donate_argnums=0).lower(xs[0], params).compile()
+                x, times = xs[0] + 0, []
+                for i in range(warmup + steps):
+                    start = time.perf_counter()
+                    x = jax.block_until_ready(donated(x, params))
+                    times.append(time.perf_counter() - start)
+                walls["chained"] = 1e6 * statistics.median(times[warmup:])
+                print(f"{name} T={T:3d} L={layers} {impl:8s} unroll={u:2d} wall us a layer: "
+                      + "  ".join(f"{k} {v / layers:6.1f}" for k, v in walls.items()), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--host":
+    if sys.argv[1] == "--inputs":
+        input_modes(sys.argv[2], int(sys.argv[3]), [int(t) for t in sys.argv[4].split(",")],
+                    [int(u) for u in sys.argv[5].split(",")])
+    elif sys.argv[1] == "--host":
         host_events(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
         per_layer(sys.argv[1], int(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")], settings_of(sys.argv[4]),
