@@ -19,16 +19,15 @@ prints where the host's time of a step goes instead (the trace's host events by 
 
 times the step's wall clock (per layer, median of 30 steps) as the inputs arrive: `cycle`, four
 different x in turn (the bench's way: a new input buffer every step); `same`, one x every step;
-`chained`, x donated and each step fed the last one's output (a serving loop's carry), for
-ours and the stacked form at each unroll (0: all layers, no loop). A CUDA graph whose buffers
-moved since its last launch is updated on the host first; the modes tell that cost apart.
+for ours and the stacked form at each unroll (0: all layers, no loop), with the host's time in
+XLA's command-buffer events. A CUDA graph whose buffers moved since its last launch is updated on
+the host first; the modes tell that cost apart. (Feeding each step its last output instead is no
+serving loop without the model's norms: x grows without bound within a few steps.)
 Raw output of the runs quoted in BENCHMARKS.md: benchmarks/results/logs/decode-step-ab-h200.txt.
 """
 import collections
 import os
-import statistics
 import sys
-import time
 
 import jax
 
@@ -84,6 +83,19 @@ def host_events(name, layers, T, unroll, steps=10):
         print(f"  {ns / 1e3 / steps:9.1f} ({count[event] / steps:6.1f})  {event}")
 
 
+def command_buffer_host_us(compiled, xs, params, steps=10):
+    """Host time a step in XLA's command-buffer events (update: re-recording the commands whose
+    buffers moved; execute: the launch), from a trace of `steps` steps over the inputs xs."""
+    total = collections.Counter()
+    for plane in bd.traced_planes(compiled, xs, params, steps):
+        if plane.name.startswith("/host:"):
+            for line in plane.lines:
+                for e in line.events:
+                    if e.name.startswith("command_buffer::"):
+                        total[e.name.split("#")[0]] += e.duration_ns / 1e3 / steps
+    return total
+
+
 def input_modes(name, layers, tokens, unrolls, steps=30, warmup=5):
     model = bd.MODELS[name]
     params = bd.stacked_weights(model, layers)
@@ -92,19 +104,14 @@ def input_modes(name, layers, tokens, unrolls, steps=30, warmup=5):
         for impl in bd.OURS:
             for unroll in unrolls:
                 u = unroll or layers
-                step = bd.decode_step(impl, model, u)
-                c = jax.jit(step).lower(xs[0], params).compile()
-                walls = dict(cycle=bd.wall_us(c, xs, params, steps, warmup),
-                             same=bd.wall_us(c, xs[:1], params, steps, warmup))
-                donated = jax.jit(step, donate_argnums=0).lower(xs[0], params).compile()
-                x, times = xs[0] + 0, []
-                for i in range(warmup + steps):
-                    start = time.perf_counter()
-                    x = jax.block_until_ready(donated(x, params))
-                    times.append(time.perf_counter() - start)
-                walls["chained"] = 1e6 * statistics.median(times[warmup:])
-                print(f"{name} T={T:3d} L={layers} {impl:8s} unroll={u:2d} wall us a layer: "
-                      + "  ".join(f"{k} {v / layers:6.1f}" for k, v in walls.items()), flush=True)
+                c = jax.jit(bd.decode_step(impl, model, u)).lower(xs[0], params).compile()
+                for mode, inputs in (("cycle", xs), ("same", xs[:1])):
+                    wall = bd.wall_us(c, inputs, params, steps, warmup)
+                    host = command_buffer_host_us(c, inputs, params)
+                    print(f"{name} T={T:3d} L={layers} {impl:8s} unroll={u:2d} {mode:5s} wall {wall:8.1f} us "
+                          f"({wall / layers:6.1f} a layer); host us a step in "
+                          + (", ".join(f"{k} {v:.1f}" for k, v in sorted(host.items())) or "no command-buffer events"),
+                          flush=True)
 
 
 if __name__ == "__main__":
