@@ -62,6 +62,19 @@ def per_layer(name, layers, tokens, settings, unroll=0):
                   f"graphs {p['graph_launches']}", flush=True)
 
 
+def host_events_us(compiled, xs, params, steps=10):
+    """The host's trace events over `steps` steps cycling through xs, by name (cut at 70 characters):
+    (us a step, events a step). Nested events are counted in their parents too."""
+    total, count = collections.Counter(), collections.Counter()
+    for plane in bd.traced_planes(compiled, xs, params, steps):
+        if plane.name.startswith("/host:"):
+            for line in plane.lines:
+                for e in line.events:
+                    total[e.name[:70]] += e.duration_ns
+                    count[e.name[:70]] += 1
+    return {name: (ns / 1e3 / steps, count[name] / steps) for name, ns in total.most_common()}
+
+
 def host_events(name, layers, T, unroll, steps=10):
     model = bd.MODELS[name]
     params = bd.stacked_weights(model, layers)
@@ -69,30 +82,20 @@ def host_events(name, layers, T, unroll, steps=10):
     c = compiled_step(model, params, xs[0], unroll or layers)
     for i in range(5):
         jax.block_until_ready(c(xs[i % len(xs)], params))
-    planes = bd.traced_planes(c, xs, params, steps)
-    total, count = collections.Counter(), collections.Counter()
-    for plane in planes:
-        if plane.name.startswith("/host:"):
-            for line in plane.lines:
-                for e in line.events:
-                    total[e.name[:70]] += e.duration_ns
-                    count[e.name[:70]] += 1
+    events = host_events_us(c, xs, params, steps)
     print(f"host events {name} T={T} L={layers} unroll={unroll or layers}: us a step (events a step), nested events "
           f"counted in their parents too")
-    for event, ns in total.most_common(25):
-        print(f"  {ns / 1e3 / steps:9.1f} ({count[event] / steps:6.1f})  {event}")
+    for event, (us, n) in list(events.items())[:25]:
+        print(f"  {us:9.1f} ({n:6.1f})  {event}")
 
 
-def command_buffer_host_us(compiled, xs, params, steps=10):
+def command_buffer_host_us(compiled, xs, params):
     """Host time a step in XLA's command-buffer events (update: re-recording the commands whose
-    buffers moved; execute: the launch), from a trace of `steps` steps over the inputs xs."""
+    buffers moved; execute: the launch)."""
     total = collections.Counter()
-    for plane in bd.traced_planes(compiled, xs, params, steps):
-        if plane.name.startswith("/host:"):
-            for line in plane.lines:
-                for e in line.events:
-                    if e.name.startswith("command_buffer::"):
-                        total[e.name.split("#")[0]] += e.duration_ns / 1e3 / steps
+    for event, (us, _) in host_events_us(compiled, xs, params).items():
+        if event.startswith("command_buffer::"):
+            total[event.split("#")[0]] += us
     return total
 
 
