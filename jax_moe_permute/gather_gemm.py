@@ -53,29 +53,41 @@ def kernel_fits(x, w, rows: int, activation: str) -> bool:
 # MOE_GATHER_GEMM (read at trace time): where `layer.moe_mlp` and `layer.expert_mlp` take the fused
 # kernel. "forward" (the default): the forward pass, not the pass being differentiated, which runs
 # the composition (measured faster for jit(grad): docs/layer.md, "The fused first GEMM"), and only
-# for groups of FORWARD_ROWS_PER_GROUP rows on average; "1": both passes, any group sizes; "0":
-# neither. The primitive itself runs the kernel wherever it fits.
+# for the group sizes of `forward_fuses`; "1": both passes, any group sizes; "0": neither. The
+# primitive itself runs the kernel wherever it fits.
 LAYER_MODES = ("forward", "1", "0")
-# Measured faster at Qwen3-30B-A3B's 256 rows a group (T = 4096). From 512 rows on CUTLASS's tiles
-# run near the dense rate (Mixtral's 1024: 715 TFLOP/s in the layer), above this kernel's 400-515.
-# Below, at decode-sized groups, CUTLASS's tiles win: forced on, a Qwen3 decode step on an H100
-# took 1.18x / 1.08x as long at T = 8 / 64 (0.5 and 4 rows a group; BENCHMARKS.md, "Decode").
-FORWARD_ROWS_PER_GROUP = (128, 512)
+# The layer's forward measured faster with the kernel than with permute + CUTLASS's tiles + the
+# activation (H100; docs/layer.md, "When the layer uses it"): Qwen3-30B-A3B (F 768) at 256, 512 and
+# 1024 rows a group, DeepSeek-V3 (F 2048) at 128 and 512. Mixtral (F 14336) tied at 1024 rows and
+# lost at 4096, where CUTLASS's tiles run near the dense rate and the stages the kernel removes are
+# a small share of the GEMM: wide experts keep CUTLASS's tiles from LONG_GROUP_ROWS rows a group.
+# Below MIN_GROUP_ROWS, at decode-sized groups, CUTLASS's tiles win: forced on, a Qwen3 decode step
+# on an H100 took 1.18x / 1.08x as long at T = 8 / 64 (0.5 and 4 rows a group; BENCHMARKS.md, "Decode").
+MIN_GROUP_ROWS, LONG_GROUP_ROWS, MAX_GROUP_ROWS = 128, 512, 2048
+FINE_GRAINED_FFN = 4096  # F (w_in's columns, halved when gated) up to which the long groups fuse
 
 
-def layer_enabled(differentiated: bool, rows_per_group: float) -> bool:
+def forward_fuses(rows_per_group: float, ffn_size: int) -> bool:
+    """Whether the default mode fuses a forward pass whose groups average `rows_per_group` rows for
+    experts of `ffn_size` columns (F)."""
+    if not MIN_GROUP_ROWS <= rows_per_group < MAX_GROUP_ROWS:
+        return False
+    return rows_per_group < LONG_GROUP_ROWS or ffn_size <= FINE_GRAINED_FFN
+
+
+def layer_enabled(differentiated: bool, rows_per_group: float, ffn_size: int) -> bool:
     """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM), for groups of
-    `rows_per_group` rows on average."""
+    `rows_per_group` rows on average and experts of `ffn_size` columns (F)."""
     mode = gemm_primitives.env_choice("MOE_GATHER_GEMM", LAYER_MODES)
-    low, high = FORWARD_ROWS_PER_GROUP
-    return mode == "1" or (mode == "forward" and not differentiated and low <= rows_per_group < high)
+    return mode == "1" or (mode == "forward" and not differentiated and forward_fuses(rows_per_group, ffn_size))
 
 
 def layer_kernel_applies(x, w_in, rows: int, activation: str, differentiated: bool = False) -> bool:
     """Whether the layer (`moe_mlp`, `expert_mlp`) runs a first GEMM of `rows` rows read from x on
     the fused kernel: enabled for this pass and these groups, it fits, and the call is not
     decode-sized (those take the decode kernels)."""
-    return (layer_enabled(differentiated, rows / w_in.shape[0]) and rows > 0
+    ffn_size = w_in.shape[2] // (2 if _GATED[activation] else 1)
+    return (layer_enabled(differentiated, rows / w_in.shape[0], ffn_size) and rows > 0
             and kernel_fits(x, w_in, rows, activation)
             and not gemm_primitives.use_decode_kernel(1, rows, w_in.shape[0]))
 

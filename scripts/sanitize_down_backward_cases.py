@@ -6,7 +6,10 @@
 Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
 around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a
 partial 256-column tile; each result checked against a float64 NumPy reference on the host, so an
-uninitialised read also shows as a mismatch."""
+uninitialised read also shows as a mismatch. Arguments (dtype and activation names, e.g.
+`bfloat16 swiglu`) run only those cases: the whole set takes minutes under initcheck."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +39,18 @@ def reference(ct, gate_up, w, w_out, sizes, activation):
     return d_gate_up, np.sum(g * h, axis=1, keepdims=True), w_h
 
 
-def main():
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def main(names):
+    unknown = [n for n in names if n not in DTYPES and n not in ACTIVATION_CODES]
+    if unknown:
+        sys.exit(f"unknown argument(s) {unknown}; dtypes {list(DTYPES)}, activations {list(ACTIVATION_CODES)}")
+    dtypes = [d for n, d in DTYPES.items() if n in names] or list(DTYPES.values())
+    activations = [a for a in ACTIVATION_CODES if a in names] or list(ACTIVATION_CODES)
     key = jax.random.PRNGKey(0)
-    for dtype in (jnp.bfloat16, jnp.float16):
-        for activation in ACTIVATION_CODES:
+    for dtype in dtypes:
+        for activation in activations:
             gated = activation in ("swiglu", "geglu")
             for H, F, sizes, extra in CASES:
                 for weighted in (True, False):
@@ -61,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

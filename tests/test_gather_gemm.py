@@ -308,17 +308,20 @@ def test_kernel_wide_and_reproducible():
 
 def test_layer_mode_variable(monkeypatch):
     """MOE_GATHER_GEMM: "forward" (the default) enables the layer's fused kernel in the forward pass
-    only, for groups of 128 to 511 rows on average; "1" in both passes at any group size; "0" in
-    neither; anything else is an error naming the variable, raised when the layer is traced."""
+    only, for groups of 128 to 511 rows on average, and up to 2047 for experts of F <= 4096; "1" in
+    both passes at any group size; "0" in neither; anything else is an error naming the variable,
+    raised when the layer is traced."""
     monkeypatch.delenv("MOE_GATHER_GEMM", raising=False)
-    assert gather_gemm.layer_enabled(False, 256) and not gather_gemm.layer_enabled(True, 256)
+    assert gather_gemm.layer_enabled(False, 256, 768) and not gather_gemm.layer_enabled(True, 256, 768)
+    fused = [(128, 14336), (511.9, 14336), (512, 768), (1024, 4096), (2047.9, 2048)]
+    unfused = [(0.5, 768), (127.9, 768), (512, 4097), (1024, 14336), (2048, 768), (4096, 14336)]
     for mode, forward, differentiated in (("forward", True, False), ("1", True, True), ("0", False, False)):
         monkeypatch.setenv("MOE_GATHER_GEMM", mode)
-        for rows_per_group in (128, 256, 511.9):
-            assert gather_gemm.layer_enabled(False, rows_per_group) == forward
-            assert gather_gemm.layer_enabled(True, rows_per_group) == differentiated
-        for rows_per_group in (0.5, 127.9, 512, 1024):  # outside the measured range: only when forced
-            assert gather_gemm.layer_enabled(False, rows_per_group) == (mode == "1")
+        for rows_per_group, ffn in fused:
+            assert gather_gemm.layer_enabled(False, rows_per_group, ffn) == forward
+            assert gather_gemm.layer_enabled(True, rows_per_group, ffn) == differentiated
+        for rows_per_group, ffn in unfused:  # outside the measured range: only when forced
+            assert gather_gemm.layer_enabled(False, rows_per_group, ffn) == (mode == "1")
     monkeypatch.setenv("MOE_GATHER_GEMM", "yes")
     with pytest.raises(ValueError, match="MOE_GATHER_GEMM"):
         jmp.moe_mlp(*layer_inputs(8, 4, 2, 16, 8, "swiglu", jnp.float32))
