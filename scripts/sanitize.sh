@@ -10,7 +10,7 @@
 # Usage: scripts/sanitize.sh [LOG_DIR [CASES...]]   (default /tmp and every case script; one
 # sanitizer-<cases>-<tool>.log per case script and tool; SANITIZE_TOOLS="memcheck initcheck"
 # runs only those tools). SCRIPT:A,B passes the script the arguments A B (a script that takes
-# them runs only those cases, e.g. sanitize_router_cases:route5; its logs are named -A,B-).
+# them runs only those cases, e.g. sanitize_router_cases:route5; its logs are named -A_B-).
 # Prints one summary line per case script and tool; exits non-zero if any tool reports an error
 # or the cases do not finish.
 set -uo pipefail
@@ -45,7 +45,7 @@ for entry in "${cases[@]}"; do
   selected=()
   [ "$entry" = "$case" ] || IFS=, read -ra selected <<<"${entry#*:}"
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
-    log="$log_dir/sanitizer-$case${selected[*]:+-${entry#*:}}-$tool.log"
+    log="$log_dir/sanitizer-$case${selected[*]:+-$(IFS=_; echo "${selected[*]}")}-$tool.log"
     # racecheck checks only the kernels under test, not XLA's reference GEMMs (with them it runs for
     # many minutes). On the GEMM cases it checks CUTLASS's kernel alone: instrumenting our small
     # setup and zero-fill kernels, or our persistent dW kernel, stops the tool at once with an
