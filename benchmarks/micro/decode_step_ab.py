@@ -107,7 +107,7 @@ def input_modes(name, layers, tokens, unrolls, steps=30, warmup=5):
         for impl in bd.OURS:
             for unroll in unrolls:
                 u = unroll or layers
-                c = jax.jit(bd.decode_step(impl, model, u)).lower(xs[0], params).compile()
+                c = compiled_step(model, params, xs[0], u, impl=impl)
                 for mode, inputs in (("cycle", xs), ("same", xs[:1])):
                     wall = bd.wall_us(c, inputs, params, steps, warmup)
                     host = command_buffer_host_us(c, inputs, params)
