@@ -119,14 +119,20 @@ def kernel_fits(ct, gate_up, w_out, activation: str) -> bool:
     return _native.kernel_fits("cuda", "down_backward", R, H, E, F, ACTIVATION_CODES[activation])
 
 
-def _vjp_kernel(ct, gate_up, w, w_out, sizes, *, activation, weighted):
-    """down_vjp_p on the kernel: its gates' gradient comes as partial sums per 256 columns."""
+def kernel_outputs(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    """The kernel's own outputs: d gate_up, the gates' gradient as partial sums per 256 columns
+    [ceil(F / 256), R], and w * h."""
     R, F = gate_up.shape[0], w_out.shape[1]
     out_types = (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
                  jax.ShapeDtypeStruct(((F + 255) // 256, R), jnp.float32),
                  jax.ShapeDtypeStruct((R, F), gate_up.dtype))
-    d_gate_up, d_w_parts, w_h = jax.ffi.ffi_call(_native.target("down_backward"), out_types)(
+    return jax.ffi.ffi_call(_native.target("down_backward"), out_types)(
         ct, gate_up, w, w_out, sizes, activation=np.int64(ACTIVATION_CODES[activation]), weighted=np.int64(weighted))
+
+
+def _vjp_kernel(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+    """down_vjp_p on the kernel: the gates' partial sums added up."""
+    d_gate_up, d_w_parts, w_h = kernel_outputs(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
     return d_gate_up, jnp.sum(d_w_parts, axis=0)[:, None], w_h
 
 

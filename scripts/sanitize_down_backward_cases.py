@@ -5,10 +5,13 @@
 
 Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
 around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a
-partial 256-column tile; each result checked against a float64 NumPy reference on the host, so an
-uninitialised read also shows as a mismatch. Arguments (dtype and activation names, e.g.
-`bfloat16 swiglu`) run only those cases: the whole set takes minutes under initcheck."""
+partial 256-column tile; each result checked against a float64 reference on the host, so an
+uninitialised read also shows as a mismatch. The inputs are copied from the host and the kernel's
+own outputs copied back (no XLA kernel touches either), so initcheck restricted to the kernel
+(`--kernel-name kns=down_backward_kernel`) sees every write its loads depend on. Arguments (dtype
+and activation names, e.g. `bfloat16 swiglu`) run only those cases."""
 
+import functools
 import sys
 
 import jax
@@ -48,26 +51,33 @@ def main(names):
         sys.exit(f"unknown argument(s) {unknown}; dtypes {list(DTYPES)}, activations {list(ACTIVATION_CODES)}")
     dtypes = [d for n, d in DTYPES.items() if n in names] or list(DTYPES.values())
     activations = [a for a in ACTIVATION_CODES if a in names] or list(ACTIVATION_CODES)
-    key = jax.random.PRNGKey(0)
+    rng = np.random.default_rng(0)
+    cpu = jax.devices("cpu")[0]
+
+    def on_device(shape, dtype, scale=1.0):  # written by a host-to-device copy
+        return jax.device_put((rng.standard_normal(shape, np.float32) * scale).astype(dtype))
+
     for dtype in dtypes:
         for activation in activations:
             gated = activation in ("swiglu", "geglu")
             for H, F, sizes, extra in CASES:
                 for weighted in (True, False):
-                    k1, k2, k3, k4, key = jax.random.split(key, 5)
                     R = sum(sizes) + extra
-                    ct = jax.random.normal(k1, (R, H)).astype(dtype)
-                    gate_up = jax.random.normal(k2, (R, (2 if gated else 1) * F)).astype(dtype)
-                    w_out = (jax.random.normal(k3, (len(sizes), F, H)) * H ** -0.5).astype(dtype)
-                    w = jax.random.normal(k4, (R, 1)) if weighted else jnp.zeros((1, 1))
+                    ct = on_device((R, H), dtype)
+                    gate_up = on_device((R, (2 if gated else 1) * F), dtype)
+                    w_out = on_device((len(sizes), F, H), dtype, H ** -0.5)
+                    w = on_device((R, 1), np.float32) if weighted else jax.device_put(np.zeros((1, 1), np.float32))
                     assert down_backward.kernel_fits(ct, gate_up, w_out, activation), "needs an sm_90 GPU"
-                    f = jax.jit(lambda *a: down_backward.down_vjp_p.bind(*a, activation=activation, weighted=weighted))
-                    got = f(ct, gate_up, w, w_out, jnp.asarray(sizes, jnp.int32))
-                    want = reference(ct, gate_up, np.asarray(w, np.float64) if weighted else 1.0, w_out, sizes,
-                                     activation)
-                    for a, b in zip(got, want):
+                    f = jax.jit(functools.partial(down_backward.kernel_outputs, activation=activation,
+                                                  weighted=weighted))
+                    d_gate_up, d_w_parts, w_h = (np.asarray(a, np.float64) for a in f(
+                        ct, gate_up, w, w_out, jax.device_put(np.asarray(sizes, np.int32))))
+                    with jax.default_device(cpu):
+                        want = reference(ct, gate_up, np.asarray(w, np.float64) if weighted else 1.0, w_out, sizes,
+                                         activation)
+                    for a, b in zip((d_gate_up, d_w_parts.sum(axis=0)[:, None], w_h), want):
                         scale = max(np.abs(b).max(), 1.0)
-                        np.testing.assert_allclose(np.asarray(a, np.float64) / scale, b / scale, atol=3e-2)
+                        np.testing.assert_allclose(a / scale, b / scale, atol=3e-2)
     print("CASES DONE")
 
 

@@ -15,23 +15,33 @@ import jax_moe_permute as jmp
 from jax_moe_permute import gemm_primitives, router_kernel
 
 
+def on_device(rng, shape, dtype=np.float32, scale=1.0):
+    """Inputs written by host-to-device copies: initcheck restricted to the kernel (`--kernel-name
+    kns=router_hidden`) then sees every write its loads depend on."""
+    return jax.device_put((rng.standard_normal(shape, np.float32) * scale).astype(dtype))
+
+
 def run_route_tokens(T, H, E, K, seed=0, **kw):
     """route_tokens' fused product and choice (sm_90) and its gradient, the ids against route on
-    the logits the kernel returns (an uninitialised read shows as a mismatch)."""
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(k[0], (T, H)).astype(jnp.bfloat16)
-    router = (jax.random.normal(k[1], (H, E)) * H ** -0.5).astype(jnp.bfloat16)
+    the logits the kernel returns, computed on the host's CPU (an uninitialised read shows as a
+    mismatch)."""
+    rng = np.random.default_rng(seed)
+    x = on_device(rng, (T, H), jnp.bfloat16)
+    router = on_device(rng, (H, E), jnp.bfloat16, H ** -0.5)
     if kw.pop("with_bias", False):
-        kw["bias"] = jax.random.normal(k[2], (E,)) * 0.3
+        kw["bias"] = on_device(rng, (E,), scale=0.3)
     args = dict(dict(scoring="softmax", renormalize=True, num_groups=None, topk_groups=None,
                      routed_scaling_factor=1.0), **kw)
     bias = args.pop("bias", None)
     logits, weights, ids = jax.jit(lambda x, r, b: router_kernel.router_hidden(x, r, b, K, **args))(x, router, bias)
-    want = jax.jit(lambda z, b: jmp.route(z, K, bias=b, **args)[:2])(logits, bias)
+    cpu = jax.devices("cpu")[0]
+    on_cpu = jax.device_put((logits, bias), cpu)
+    want = jax.jit(lambda z, b: jmp.route(z, K, bias=b, **args)[:2])(*on_cpu)
     assert np.array_equal(np.asarray(ids), np.asarray(want[1])) and np.array_equal(np.asarray(weights),
                                                                                   np.asarray(want[0]))
     grad = jax.jit(jax.grad(lambda x: jnp.sum(jmp.route_tokens(x, router, K, bias=bias, **args).weights ** 2)))(x)
-    return [np.asarray(a).shape for a in (logits, ids, grad)]
+    grad.block_until_ready()  # XLA's kernels write it: not copied to the host
+    return [a.shape for a in (logits, ids, grad)]
 
 
 ROUTE_TOKENS_CASES = [
