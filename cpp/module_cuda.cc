@@ -48,6 +48,7 @@ NB_MODULE(_cuda, m) {
     d["moe_mlp_decode_stacked_residual"] = moe::capsule(MoeMlpDecodeStackedResidualCuda);
     d["gather_gemm"] = moe::capsule(MoeGatherGemmCuda);
     d["ragged_dot_wgrad_sm90"] = moe::capsule(MoeGroupedWgradCuda);
+    d["gathered_wgrad_sm90"] = moe::capsule(MoeGroupedWgradGatheredCuda);
     d["down_backward"] = moe::capsule(MoeDownBackwardCuda);
 #endif
     return d;

@@ -186,3 +186,103 @@ batching.primitive_batchers[gather_gemm_p] = _batch
 ad.primitive_jvps[gather_gemm_p] = _jvp
 if _native.has_target("cuda", "gather_gemm"):
     mlir.register_lowering(gather_gemm_p, _lower_cuda, platform="cuda")
+
+
+# ---- the weight gradient of the gathered rows ----------------------------------------------
+#
+#   gathered_wgrad (x [T, H], row_token [M], ct [M, N], group_sizes [G]) -> [G, H, N]
+#                  out[g] = x[row_token[rows of g]]ᵀ · ct[rows of g]
+#
+# gather_gemm with activation "none" is linear in w; its transpose is this product, which the
+# layer's backward takes for the first GEMM's weight gradient: on sm_90 our persistent dW kernel
+# reads the rows of x through row_token (cpp/gemm/grouped_wgrad.cu, gathered lhs), so the permuted
+# copy [M, H] of x is not recomputed in the backward; elsewhere the gather and `ragged_dot`'s
+# weight gradient.
+
+gathered_wgrad_p = Primitive("jax_moe_permute_gathered_wgrad")
+
+# MOE_GATHERED_WGRAD (read at trace time): where the layer's backward takes the gathered weight
+# gradient. "preferred" (the default): where the plain weight gradient would run our persistent
+# kernel (groups averaging fewer rows than its long-group rule); "1": wherever the kernel fits;
+# "0": never (the rows gathered again and the plain weight gradient).
+GATHERED_WGRAD_MODES = ("preferred", "1", "0")
+
+
+def gathered_wgrad_kernel_fits(x, rows: int, n: int, groups: int) -> bool:
+    """Whether gathered_wgrad lowers to the kernel for these static shapes and dtype."""
+    if not (_native.has_target("cuda", "gathered_wgrad_sm90") and gemm_primitives.kernels_available()):
+        return False
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.shape[0] == 0 or x.shape[0] >= 2**31:
+        return False
+    return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, x.shape[1], n, groups)
+
+
+def layer_gathers_wgrad(x, rows: int, n: int, groups: int) -> bool:
+    """Whether the layer's backward takes gathered_wgrad (MOE_GATHERED_WGRAD) for the first GEMM's
+    weight gradient over `rows` rows of x, n columns and `groups` experts."""
+    mode = gemm_primitives.env_choice("MOE_GATHERED_WGRAD", GATHERED_WGRAD_MODES)
+    if mode == "0" or not gathered_wgrad_kernel_fits(x, rows, n, groups):
+        return False
+    return mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, groups)
+
+
+def gathered_wgrad(x, row_token, ct, group_sizes):
+    """[G, H, N]: x[row_token[rows of g]]ᵀ · ct[rows of g] for each group g (see above)."""
+    args = _compat.pvary_to_match(x, row_token.astype(jnp.int32), ct.astype(x.dtype), group_sizes.astype(jnp.int32))
+    return gathered_wgrad_p.bind(*args)
+
+
+def _wgrad_unfused(x, row_token, ct, group_sizes):
+    return gemm_primitives.ragged_dot_wgrad_bind(gathered_rows(x, row_token)[None], ct[None], group_sizes[None],
+                                                 out_dtype=x.dtype, precision=None)[0]
+
+
+def _wgrad_abstract(x, row_token, ct, group_sizes):
+    return _compat.shaped_like((x, row_token, ct, group_sizes), (group_sizes.shape[0], x.shape[1], ct.shape[1]),
+                               x.dtype)
+
+
+def _lower_wgrad_cuda(ctx, x, row_token, ct, group_sizes):
+    x_aval, token_aval, ct_aval, sizes_aval = ctx.avals_in
+    if (_compat.lowers_per_device(ctx) and ct_aval.dtype == x_aval.dtype
+            and gathered_wgrad_kernel_fits(x_aval, token_aval.shape[0], ct_aval.shape[1], sizes_aval.shape[0])):
+        return jax.ffi.ffi_lowering(_native.target("gathered_wgrad_sm90"))(ctx, x, row_token, ct, group_sizes)
+    return _lower_wgrad_unfused(ctx, x, row_token, ct, group_sizes)
+
+
+def _wgrad_batch(args, dims):
+    return jax.vmap(_wgrad_unfused, in_axes=dims)(*args), 0
+
+
+def _wgrad_jvp(primals, tangents):
+    """Derivatives (higher orders of the layer) through the unfused composition."""
+    x, row_token, ct, group_sizes = primals
+    dx, _, dct, _ = (ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(lambda x, ct: _wgrad_unfused(x, row_token, ct, group_sizes), (x, ct), (dx, dct))
+
+
+def _transpose(cts, x, row_token, group_sizes, w, *, activation, save_pre):
+    """gather_gemm with activation "none" is linear in x and in w (not in both): d w is
+    gathered_wgrad, d x the transposed composition."""
+    if activation != "none" or ad.is_undefined_primal(x) == ad.is_undefined_primal(w):
+        raise NotImplementedError(f"gather_gemm is linear in one of x, w only with activation 'none' ({activation!r})")
+    live = [ct for ct in cts if type(ct) is not ad.Zero and ct.shape[0]]
+    if not live:
+        return None, None, None, None
+    ct = sum(live[1:], live[0])
+    if ad.is_undefined_primal(w):
+        return None, None, None, gathered_wgrad(x, row_token, ct, group_sizes).astype(w.aval.dtype)
+    f = lambda x: ragged_dot(gathered_rows(x, row_token), w, group_sizes)
+    return jax.linear_transpose(f, jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype))(ct)[0], None, None, None
+
+
+_lower_wgrad_unfused = mlir.lower_fun(_wgrad_unfused, multiple_results=False)
+
+ad.primitive_transposes[gather_gemm_p] = _transpose
+gathered_wgrad_p.def_impl(jax.jit(gathered_wgrad_p.bind))
+gathered_wgrad_p.def_abstract_eval(_wgrad_abstract)
+mlir.register_lowering(gathered_wgrad_p, _lower_wgrad_unfused)
+batching.primitive_batchers[gathered_wgrad_p] = _wgrad_batch
+ad.primitive_jvps[gathered_wgrad_p] = _wgrad_jvp
+if _native.has_target("cuda", "gathered_wgrad_sm90"):
+    mlir.register_lowering(gathered_wgrad_p, _lower_wgrad_cuda, platform="cuda")

@@ -308,6 +308,11 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     x, weights, ids, w_in, w_out, expert_map, layer, residual = primals
     dx, dweights, _, dw_in, dw_out, _, _, dresidual = (t if _live(t) else None for t in tangents)
     w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
+    # The first GEMM's weight gradient reads x through the row -> token index where that kernel runs
+    # (the layer's T * K rows).
+    wgrad_gathers = (dw_in is not None
+                     and gather_gemm.layer_gathers_wgrad(x, x.shape[0] * ids.shape[1], w_in.shape[2], w_in.shape[0]))
+    row_token = None
     if gathers_rows(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
         h, gate_up = gather_gemm.gather_gemm(x, row_token, sizes, w_in, activation=activation, save_pre=True)
@@ -316,6 +321,8 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
         sizes, row_map = res.group_sizes, res.row_map
         gate_up = ragged_dot(res.hidden, w_in, sizes)
         h = apply_activation(gate_up, activation)
+        if wgrad_gathers:  # the same rows in the same order (the same permute's layout)
+            row_token = routing_rows(x, ids, num_experts, expert_map, num_local_experts)[0]
     num_rows = gate_up.shape[0]
     out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype, residual=residual)
     if dx is None and dweights is None and dw_in is None and dw_out is None:
@@ -324,7 +331,9 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     d_gate_up = []
     if dx is not None:
         d_gate_up.append(ragged_dot(_to_rows(dx, row_map, num_rows, x.dtype), w_in, sizes))
-    if dw_in is not None:  # the rows are gathered again from x in the backward, not saved
+    if wgrad_gathers:  # linear in dw_in: its transpose, the weight gradient, reads x's rows itself
+        d_gate_up.append(gather_gemm.gather_gemm(x, row_token, sizes, dw_in, activation="none")[0])
+    elif dw_in is not None:  # the rows are gathered again from x in the backward, not saved
         d_gate_up.append(jax.checkpoint(
             lambda x, dw: ragged_dot(_to_rows(x, row_map, num_rows, x.dtype), dw, sizes))(x, dw_in))
     d_gate_up = sum(d_gate_up[1:], d_gate_up[0]) if d_gate_up else None

@@ -387,3 +387,142 @@ def test_layer_uses_kernel_and_matches_dense(monkeypatch, activation):
     for a, b in zip(grad(x, weights, w_in, w_out), jax.grad(loss(ref_ids), (0, 1, 2, 3))(*f32(x, weights, w_in, w_out))):
         s = max(float(jnp.abs(b).max()), 1e-6)
         assert_allclose(a.astype(jnp.float32) / s, b / s, 3e-2)
+
+
+# ---- the weight gradient of the gathered rows (gathered_wgrad) ------------------------------
+
+def wgrad_reference(x, row_token, ct, group_sizes):
+    """Float32, precision HIGHEST: each group's gathered rows (zero for tokens outside [0, T))
+    against its rows of ct; rows past the groups' sum add nothing."""
+    rows = np.asarray(gather_gemm.gathered_rows(x.astype(jnp.float32), row_token), np.float32)
+    ct = np.asarray(ct, np.float32)
+    out, start = [], 0
+    for n in np.clip(np.asarray(group_sizes), 0, None):
+        end = min(start + int(n), rows.shape[0])
+        out.append(jnp.matmul(rows[start:end].T, ct[start:end], precision=jax.lax.Precision.HIGHEST))
+        start = end
+    return jnp.stack(out)
+
+
+@pytest.mark.parametrize("T,H,N,sizes,extra", [
+    (7, 16, 8, [3, 0, 5, 2], 0), (5, 8, 3, [4], 2), (1, 1, 1, [1, 0], 0), (0, 8, 4, [0, 2], 3),
+    (9, 24, 16, [0, 6, 1, 0, 4], 1), (4, 8, 8, [0, 0], 5)])
+def test_gathered_wgrad_matches_reference(T, H, N, sizes, extra):
+    x, tokens, sizes, _ = problem(T, H, N, sizes, "none", jnp.float32, extra)
+    ct = random_float((tokens.shape[0], N), jnp.float32)
+    got = jax.jit(gather_gemm.gathered_wgrad)(x, tokens, ct, sizes)
+    assert got.shape == (len(sizes), H, N) and got.dtype == x.dtype
+    assert_allclose(got, wgrad_reference(x, tokens, ct, sizes), 1e-5)
+
+
+def test_gather_gemm_transposes():
+    """gather_gemm with activation "none" is linear in w and in x: its transposes are
+    gathered_wgrad and the composition's; with another activation there is none."""
+    x, tokens, sizes, w = problem(9, 16, 8, [3, 0, 5, 2], "none", jnp.float32, 2)
+    ct = random_float((tokens.shape[0], 8), jnp.float32)
+    of_w = jax.linear_transpose(lambda w: gather_gemm.gather_gemm(x, tokens, sizes, w, activation="none")[0], w)
+    assert_allclose(jax.jit(of_w)(ct)[0], wgrad_reference(x, tokens, ct, sizes), 1e-5)
+    of_x = jax.linear_transpose(lambda x: gather_gemm.gather_gemm(x, tokens, sizes, w, activation="none")[0], x)
+    want = jax.vjp(lambda x: reference(x, tokens, sizes, w, "none")[0], x)[1](ct)[0]
+    assert_allclose(jax.jit(of_x)(ct)[0], want, 1e-5)
+    with pytest.raises(NotImplementedError, match="linear"):
+        jax.linear_transpose(lambda w: gather_gemm.gather_gemm(x, tokens, sizes, w, activation="relu")[0], w)(ct)
+
+
+def test_gathered_wgrad_vmap_and_jvp():
+    x, tokens, sizes, _ = problem(6, 8, 4, [2, 3, 4], "none", jnp.float32)
+    ct = random_float((tokens.shape[0], 4), jnp.float32)
+    xs = jnp.stack([x, random_float(x.shape, x.dtype)])
+    outs = jax.jit(jax.vmap(gather_gemm.gathered_wgrad, (0, None, None, None)))(xs, tokens, ct, sizes)
+    for v in range(2):
+        assert_allclose(outs[v], wgrad_reference(xs[v], tokens, ct, sizes), 1e-5)
+    dx, dct = random_float(x.shape, x.dtype), random_float(ct.shape, ct.dtype)
+    f = lambda x, ct: gather_gemm.gathered_wgrad(x, tokens, ct, sizes)
+    g = lambda x, ct: jnp.stack([gather_gemm.gathered_rows(x, tokens)[a:b].T @ ct[a:b]
+                                 for a, b in ((0, 2), (2, 5), (5, 9))])
+    for got, want in zip(jax.jvp(f, (x, ct), (dx, dct)), jax.jvp(g, (x, ct), (dx, dct))):
+        assert_allclose(got, want, 1e-5)
+
+
+def test_gathered_wgrad_mode_variable(monkeypatch):
+    """MOE_GATHERED_WGRAD: off ("0") or where no kernel runs, the layer keeps the plain weight
+    gradient; anything but preferred / 1 / 0 is an error naming the variable."""
+    x = jnp.zeros((256, 128), jnp.bfloat16)
+    monkeypatch.setenv("MOE_GATHERED_WGRAD", "0")
+    assert not gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8)
+    monkeypatch.setenv("MOE_GATHERED_WGRAD", "1")
+    assert gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8) == gather_gemm.gathered_wgrad_kernel_fits(x, 1024, 256, 8)
+    monkeypatch.setenv("MOE_GATHERED_WGRAD", "always")
+    with pytest.raises(ValueError, match="MOE_GATHERED_WGRAD"):
+        gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8)
+
+
+@pytest.mark.parametrize("fused_forward", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_layer_gathered_wgrad_matches_dense(monkeypatch, activation, fused_forward):
+    """The layer's backward with the first GEMM's weight gradient read through the row -> token
+    index, forced where the kernel does not run (the primitive's composition): after the plain
+    forward or the gathered one, gradients of every argument equal the dense MoE's, and forward-mode
+    derivatives too."""
+    monkeypatch.setattr(gather_gemm, "layer_gathers_wgrad", lambda *a: True)
+    monkeypatch.setattr(layer, "gathers_rows", lambda *a, **k: fused_forward)
+    T, E, K, H, F = 13, 6, 3, 8, 5
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
+    ids = ids.at[0, 0].set(-1).at[1, 1].set(E).at[2, 2].set(ids[2, 1])
+    ours = lambda x, w, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, activation=activation)
+    ref = lambda x, w, wi, wo: dense_moe(x, w, ids, wi, wo, activation)
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    grad = jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))
+    assert "gathered_wgrad" in str(jax.make_jaxpr(jax.grad(loss(ours), (0, 1, 2, 3)))(x, weights, w_in, w_out))
+    for a, b in zip(grad(x, weights, w_in, w_out), jax.grad(loss(ref), (0, 1, 2, 3))(x, weights, w_in, w_out)):
+        assert_allclose(a, b, 1e-4)
+    primals = (x, weights, w_in, w_out)
+    tangents = tuple(random_float(a.shape, a.dtype) for a in primals)
+    for a, b in zip(jax.jvp(ours, primals, tangents), jax.jvp(ref, primals, tangents)):
+        assert_allclose(a, b, 1e-4)
+
+
+WGRAD_TARGET = "jax_moe_permute.gathered_wgrad_sm90"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gathered_wgrad_kernel(monkeypatch, dtype):
+    """The kernel (gathered lhs of cpp/gemm/grouped_wgrad.cu) against the float32 reference, and
+    bitwise equal to the same kernel on the rows gathered first (the same products in the same
+    order): groups empty, of one row, around the 64-row stage and the 128 x 256 tile, rows past the
+    sum, tokens -1 and T, K = H over several tiles and N with a partial 256-column tile."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
+    H, N = 192, 320
+    for sizes in GPU_SIZES:
+        x, tokens, sizes, _ = problem(97, H, N, sizes, "none", dtype, extra_rows=5)
+        ct = random_float((tokens.shape[0], N), dtype)
+        assert gather_gemm.gathered_wgrad_kernel_fits(x, tokens.shape[0], N, len(sizes))
+        assert WGRAD_TARGET in lowered_text(gather_gemm.gathered_wgrad, x, tokens, ct, sizes)
+        got = jax.jit(gather_gemm.gathered_wgrad)(x, tokens, ct, sizes)
+        want = wgrad_reference(x, tokens, ct, sizes)
+        scale = max(float(jnp.abs(want).max()), 1.0)
+        assert_allclose(got.astype(jnp.float32) / scale, want / scale, 2e-2)
+        w_aval = jax.ShapeDtypeStruct((len(sizes), H, N), dtype)
+        plain = jax.jit(lambda x, t, c, s: jax.linear_transpose(
+            lambda w: jmp.ragged_dot(gather_gemm.gathered_rows(x, t), w, s), w_aval)(c)[0])
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain(x, tokens, ct, sizes), np.float32))
+
+
+@needs_gpu
+def test_layer_backward_takes_gathered_wgrad(monkeypatch):
+    """jit(grad) of moe_mlp at fine-grained sizes reads x's rows in the first weight gradient (the
+    default), and its gradients equal those with the rows gathered again (MOE_GATHERED_WGRAD=0)."""
+    T, E, K, H, F = 512, 16, 4, 128, 128
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, "swiglu", jnp.bfloat16)
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda x, w, wi, wo: jnp.sum(jmp.moe_mlp(x, w, ids, wi, wo).astype(jnp.float32) * ct)
+    grads = {}
+    for mode in ("preferred", "0"):
+        monkeypatch.setenv("MOE_GATHERED_WGRAD", mode)
+        grad = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+        assert (WGRAD_TARGET in grad.lower(x, weights, w_in, w_out).as_text()) == (mode == "preferred")
+        grads[mode] = grad(x, weights, w_in, w_out)
+    for a, b in zip(grads["preferred"], grads["0"]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

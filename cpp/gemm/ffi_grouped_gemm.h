@@ -17,6 +17,7 @@ XLA_FFI_Error* MoeMlpDecodeResidualCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeMlpDecodeStackedResidualCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeGatherGemmCuda(XLA_FFI_CallFrame* call_frame);    // ffi_gather_gemm_cuda.cc
 XLA_FFI_Error* MoeGroupedWgradCuda(XLA_FFI_CallFrame* call_frame);  // ffi_grouped_wgrad_cuda.cc
+XLA_FFI_Error* MoeGroupedWgradGatheredCuda(XLA_FFI_CallFrame* call_frame);  // ffi_grouped_wgrad_cuda.cc
 XLA_FFI_Error* MoeDownBackwardCuda(XLA_FFI_CallFrame* call_frame);  // ffi_down_backward_cuda.cc
 }
 
