@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --target-processes application-only python3 scripts/sanitize_gemm_cases.py [TILE ...]
 
 (every tile of grouped_gemm.TILES, the decode kernel and the persistent weight-gradient kernel
-with each epilogue, dw:persistent-tma and dw:persistent-registers, unless some are named:
-racecheck is slow on these kernels)
+with each epilogue, dw:persistent-tma and dw:persistent-registers, and its gathered form,
+dw:gathered, unless some are named: racecheck is slow on these kernels)
 
 Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with empty groups, rows past the sum, a single
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_moe_permute as jmp
+from jax_moe_permute import gather_gemm
 from jax_moe_permute.gemm_primitives import DW_EPILOGUES
 from jax_moe_permute.grouped_gemm import DECODE_TILE, TILES, kernels_available
 
@@ -32,6 +33,7 @@ CASES = [  # (M, K, N, group sizes)
 # Our persistent dW kernel forced (docs/grouped-gemm.md), with each epilogue.
 DW_VARIANTS = {f"dw:persistent-{e}": {"MOE_GROUPED_GEMM_DW_KERNEL": "persistent", "MOE_SM90_WGRAD_EPILOGUE": e}
                for e in DW_EPILOGUES}
+GATHERED = "dw:gathered"  # gather_gemm.gathered_wgrad: the persistent kernel reading lhs through a row index
 ENV = ("MOE_GROUPED_GEMM_TILE", "MOE_GROUPED_GEMM_DW_TILE", "MOE_GROUPED_GEMM_DW_KERNEL", "MOE_SM90_WGRAD_EPILOGUE")
 
 
@@ -43,9 +45,12 @@ def check(out, ref, dtype):
 
 def main():
     assert kernels_available(), "needs an sm_90 GPU and the CUTLASS kernels"
-    for tile in sys.argv[1:] or TILES + (DECODE_TILE,) + tuple(DW_VARIANTS):
+    for tile in sys.argv[1:] or TILES + (DECODE_TILE,) + tuple(DW_VARIANTS) + (GATHERED,):
         for variable in ENV:
             os.environ.pop(variable, None)
+        if tile == GATHERED:
+            run_gathered_cases(np.random.default_rng(0))
+            continue
         if tile in DW_VARIANTS:
             os.environ.update(DW_VARIANTS[tile])
             jax.clear_caches()  # the dW kernel is chosen when a call is compiled
@@ -80,6 +85,26 @@ def run_cases(key):
         out = jax.vmap(jmp.ragged_dot, (0, None, 0))(lhs, rhs, gs)
         for v in range(3):
             check(out[v], jax.lax.ragged_dot(lhs[v].astype(jnp.float32), rhs.astype(jnp.float32), gs[v]), dtype)
+
+
+def run_gathered_cases(rng):
+    """gathered_wgrad on the kernel: inputs copied from the host and the kernel's output copied back
+    (initcheck restricted to the kernel, `--kernel-name kns=grouped_wgrad`, then sees every write
+    its loads depend on), against a float64 reference; tokens -1 and T among the rows."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for M, K, N, sizes in CASES:
+            if K % 64 or N % 64:
+                continue
+            T = max(M // 2, 1)
+            x = (rng.standard_normal((T, K), np.float32)).astype(dtype)
+            tokens = rng.integers(-1, T + 1, M).astype(np.int32)
+            ct = (rng.standard_normal((M, N), np.float32)).astype(dtype)
+            assert gather_gemm.gathered_wgrad_kernel_fits(x, M, N, len(sizes))
+            out = jax.jit(gather_gemm.gathered_wgrad)(*map(jax.device_put, (x, tokens, ct, np.asarray(sizes, np.int32))))
+            rows = np.where(((tokens >= 0) & (tokens < T))[:, None], x.astype(np.float64)[np.clip(tokens, 0, T - 1)], 0)
+            starts = np.minimum(np.cumsum([0] + sizes), M)
+            ref = np.stack([rows[a:b].T @ ct.astype(np.float64)[a:b] for a, b in zip(starts[:-1], starts[1:])])
+            check(out, ref, dtype)
 
 
 if __name__ == "__main__":
