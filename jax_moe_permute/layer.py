@@ -310,8 +310,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     w_in, w_out, dw_in, dw_out = (ops.layer_weights(w, layer) for w in (w_in, w_out, dw_in, dw_out))
     # The first GEMM's weight gradient reads x through the row -> token index where that kernel runs
     # (the layer's T * K rows).
-    wgrad_gathers = (dw_in is not None
-                     and gather_gemm.layer_gathers_wgrad(x, x.shape[0] * ids.shape[1], w_in.shape[2], w_in.shape[0]))
+    wgrad_gathers = dw_in is not None and gather_gemm.layer_gathers_wgrad(x, w_in, x.shape[0] * ids.shape[1], activation)
     row_token = None
     if gathers_rows(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)

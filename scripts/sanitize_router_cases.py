@@ -37,8 +37,9 @@ def run_route_tokens(T, H, E, K, seed=0, **kw):
     cpu = jax.devices("cpu")[0]
     on_cpu = jax.device_put((logits, bias), cpu)
     want = jax.jit(lambda z, b: jmp.route(z, K, bias=b, **args)[:2])(*on_cpu)
-    assert np.array_equal(np.asarray(ids), np.asarray(want[1])) and np.array_equal(np.asarray(weights),
-                                                                                  np.asarray(want[0]))
+    # The host's exp may round the last bit otherwise (tests/ compares on the GPU, bit for bit).
+    assert np.array_equal(np.asarray(ids), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want[0]), rtol=1e-6)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(jmp.route_tokens(x, router, K, bias=bias, **args).weights ** 2)))(x)
     grad.block_until_ready()  # XLA's kernels write it: not copied to the host
     return [a.shape for a in (logits, ids, grad)]

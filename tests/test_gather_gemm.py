@@ -447,14 +447,17 @@ def test_gathered_wgrad_vmap_and_jvp():
 def test_gathered_wgrad_mode_variable(monkeypatch):
     """MOE_GATHERED_WGRAD: off ("0") or where no kernel runs, the layer keeps the plain weight
     gradient; anything but preferred / 1 / 0 is an error naming the variable."""
-    x = jnp.zeros((256, 128), jnp.bfloat16)
+    x, w_in = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((8, 128, 256), jnp.bfloat16)
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "0")
-    assert not gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8)
+    assert not gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu")
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "1")
-    assert gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8) == gather_gemm.gathered_wgrad_kernel_fits(x, 1024, 256, 8)
+    fits = gather_gemm.gathered_wgrad_kernel_fits(x, 1024, 256, 8)
+    assert gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu") == fits
+    monkeypatch.setenv("MOE_GATHERED_WGRAD", "preferred")
+    assert gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu") == fits  # 128 rows a group
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "always")
     with pytest.raises(ValueError, match="MOE_GATHERED_WGRAD"):
-        gather_gemm.layer_gathers_wgrad(x, 1024, 256, 8)
+        gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu")
 
 
 @pytest.mark.parametrize("fused_forward", [False, True])
