@@ -220,7 +220,8 @@ TRAIN_STEP_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("kernels,tile", [("ours", "auto"), ("cutlass", "auto"), ("cutlass", "64x256")])
 def test_train_step_graph_replay(kernels, tile, flags):
     """A jit(grad) of the layer under XLA's command buffers stays right on new inputs in new
-    buffers: on our hand-written kernels (the fused first GEMM, our dW kernel, down_backward) and
+    buffers: on our hand-written kernels (the fused first GEMM, our dW kernel plain and gathered,
+    down_backward) and
     on CUTLASS's (both of its forward tiles the layer takes, its dW)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + flags).strip()
@@ -229,7 +230,7 @@ def test_train_step_graph_replay(kernels, tile, flags):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REPLAYED" in out.stdout
     targets = (("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90",
-                "jax_moe_permute.down_backward") if kernels == "ours" else
+                "jax_moe_permute.gathered_wgrad_sm90", "jax_moe_permute.down_backward") if kernels == "ours" else
                ("jax_moe_permute.ragged_dot", "jax_moe_permute.ragged_dot_weight_grad"))
     for target in targets:
         assert f"'{target}'" in out.stdout, out.stdout
