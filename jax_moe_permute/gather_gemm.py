@@ -229,10 +229,8 @@ def layer_gathers_wgrad(x, w_in, rows: int, activation: str) -> bool:
     mode = gemm_primitives.env_choice("MOE_GATHERED_WGRAD", GATHERED_WGRAD_MODES)
     if mode == "0" or not gathered_wgrad_kernel_fits(x, rows, n, G):
         return False
-    if mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, G):
-        return True
-    forced = gemm_primitives.env_choice("MOE_GROUPED_GEMM_DW_KERNEL", gemm_primitives.DW_KERNELS) == "cutlass"
-    return not forced and ffn_size <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * G
+    fine_grained = ffn_size <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * G  # past the dW's long-group rule
+    return mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, G, preferred=fine_grained)
 
 
 def gathered_wgrad(x, row_token, ct, group_sizes):

@@ -187,20 +187,24 @@ DW_KERNELS = ("auto", "cutlass", "persistent")
 DW_EPILOGUES = ("tma", "registers")  # the first is the default
 
 
-def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int) -> bool:
+def use_own_wgrad_kernel(batch: int, rows: int, k: int, n: int, groups: int, preferred: bool = False) -> bool:
     """Static choice of the weight gradient's kernel, made when the call is lowered: our persistent
     one (cpp/gemm/grouped_wgrad.cu, graph-safe) where it fits and the groups average fewer than
-    1024 rows (the fine-grained MoEs, where it measured 0.97-1.42x CUTLASS's rate), CUTLASS's
-    otherwise. MOE_GROUPED_GEMM_DW_KERNEL=cutlass or =persistent forces one where it fits;
-    forcing a CUTLASS tile (MOE_GROUPED_GEMM_DW_TILE) implies CUTLASS."""
+    1024 rows (the fine-grained MoEs, where it measured 0.97-1.42x CUTLASS's rate) or the caller
+    prefers it (`preferred`: its own measurements), CUTLASS's otherwise.
+    MOE_GROUPED_GEMM_DW_KERNEL=cutlass or =persistent forces one where it fits; forcing a CUTLASS
+    tile (MOE_GROUPED_GEMM_DW_TILE) implies CUTLASS."""
     choice = env_choice("MOE_GROUPED_GEMM_DW_KERNEL", DW_KERNELS)
     env_choice("MOE_SM90_WGRAD_EPILOGUE", DW_EPILOGUES)
     if choice == "cutlass" or batch != 1 or not _native.has_target("cuda", "ragged_dot_wgrad_sm90"):
         return False
     if choice == "persistent":
         return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups)
-    return (os.environ.get("MOE_GROUPED_GEMM_DW_TILE") is None
-            and _native.kernel_preferred("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups))
+    if os.environ.get("MOE_GROUPED_GEMM_DW_TILE") is not None:
+        return False
+    if preferred:
+        return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups)
+    return _native.kernel_preferred("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups)
 
 
 def _lower_ragged_dot_wgrad_cuda(ctx, lhs, rhs, group_sizes, *, out_dtype, precision):
