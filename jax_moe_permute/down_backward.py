@@ -12,8 +12,15 @@ still in registers, so that the [R, F] product is never written nor read back
 (cpp/gemm/down_backward.cu) on sm_90 for bf16 / f16 where it fits, elsewhere to a composition of
 our grouped GEMMs and XLA's element-wise ops, in float32 from g onwards.
 
+Gathered form (row_token and row_map given): the tangent is taken through the layer's unweighted
+sum of each token's rows, unpermute(y', row_map) [T, H], so that the backward starts from the
+output's cotangent ct [T, H] itself: the d lhs GEMM reads ct's rows through row_token (the
+kernel's cp.async gather) and w_out's weight gradient reads them as its gathered rhs
+(gather_gemm.gathered_wgrad), and the [R, H] copy of ct (unpermute's backward) is never written.
+
 MOE_DOWN_BACKWARD (read when the layer is traced): "composition" (the default) differentiates the
-layer's plain tangent (checkpointed: h and w * h recomputed); "fused" takes this primitive.
+layer's plain tangent (checkpointed: h and w * h recomputed); "fused" takes this primitive;
+"gathered" its gathered form.
 Derivatives of the tangent itself (second order), and vmapped ones, run the plain composition.
 """
 
@@ -32,12 +39,17 @@ from .gather_gemm import ACTIVATION_CODES
 from .grouped_gemm import ragged_dot
 from .primitives import placeholder
 
-MODES = ("composition", "fused")
+MODES = ("composition", "fused", "gathered")
 
 
 def enabled() -> bool:
     """Whether the layer's backward takes this primitive (MOE_DOWN_BACKWARD)."""
-    return gemm_primitives.env_choice("MOE_DOWN_BACKWARD", MODES) == "fused"
+    return gemm_primitives.env_choice("MOE_DOWN_BACKWARD", MODES) != "composition"
+
+
+def gathers() -> bool:
+    """Whether it takes the gathered form (MOE_DOWN_BACKWARD=gathered)."""
+    return gemm_primitives.env_choice("MOE_DOWN_BACKWARD", MODES) == "gathered"
 
 
 def _activation(gate_up, activation):
@@ -47,24 +59,41 @@ def _activation(gate_up, activation):
 
 
 down_tangent_p = Primitive("jax_moe_permute_down_tangent")
-_PARAMS = ("activation", "live", "weighted")
+_PARAMS = ("activation", "live", "weighted", "out_dtype")
 
 
-def down_tangent(activation, sizes, w_out, gate_up, d_gate_up, d_w_out, w=None, d_w=None):
+def down_tangent(activation, sizes, w_out, gate_up, d_gate_up, d_w_out, w=None, d_w=None, row_token=None,
+                 row_map=None, out_dtype=None):
     """The tangent of ragged_dot(w * act(gate_up), w_out, sizes) (w [R, 1] float32, or None: no
     gates) for the tangents d_gate_up [R, 2F or F], d_w_out [L, F, H] and d_w [R, 1], each of which
-    may be None (zero); at least one is not."""
+    may be None (zero); at least one is not. With row_token [R] and row_map [T, K] (the gathered
+    form), that of unpermute(·, row_map) of it, [T, H] in out_dtype."""
     live = (d_gate_up is not None, d_w is not None, d_w_out is not None)
     weighted = w is not None
+    gathered = row_token is not None
     args = (placeholder(2, gate_up.dtype) if d_gate_up is None else d_gate_up,
             placeholder(2) if d_w is None else d_w,
             placeholder(3, w_out.dtype) if d_w_out is None else d_w_out,
-            gate_up, placeholder(2) if w is None else w, w_out, sizes.astype(jnp.int32))
-    return down_tangent_p.bind(*_compat.pvary_to_match(*args), activation=activation, live=live, weighted=weighted)
+            gate_up, placeholder(2) if w is None else w, w_out, sizes.astype(jnp.int32),
+            row_token.astype(jnp.int32) if gathered else jnp.zeros((0,), jnp.int32),
+            row_map.astype(jnp.int32) if gathered else jnp.zeros((0, 1), jnp.int32))
+    return down_tangent_p.bind(*_compat.pvary_to_match(*args), activation=activation, live=live, weighted=weighted,
+                               out_dtype=jnp.dtype(out_dtype) if gathered else None)
 
 
-def _tangent_composition(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activation, live, weighted):
+def _tangent_composition(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, row_token, row_map, *, activation, live,
+                         weighted, out_dtype):
     """down_tangent in plain terms: the derivative of the layer's own composition."""
+    d_y = _rows_tangent(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, activation=activation, live=live,
+                        weighted=weighted)
+    if out_dtype is None:
+        return d_y
+    from .ops import moe_unpermute  # ops imports the layer's pieces: import it when first used
+
+    return moe_unpermute(d_y, row_map, None, out_dtype=out_dtype)
+
+
+def _rows_tangent(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activation, live, weighted):
     act = functools.partial(_activation, activation=activation)
     weigh = (lambda a: w * a) if weighted else (lambda a: a)
     has_d_gate_up, has_d_w, has_d_w_out = live
@@ -88,9 +117,23 @@ down_vjp_p = Primitive("jax_moe_permute_down_vjp")
 down_vjp_p.multiple_results = True
 
 
-def _vjp_composition(ct, gate_up, w, w_out, sizes, *, activation, weighted):
-    """The backward of the layer's second half from the rows' cotangent ct [R, H]: (d gate_up,
-    d w [R, 1] float32, w * h). What the d lhs GEMM's epilogue is to compute, in plain terms."""
+def down_vjp(ct, gate_up, w, w_out, sizes, row_token=None, *, activation, weighted):
+    """down_vjp_p: (d gate_up, d w [R, 1] float32, w * h) from ct [R, H], or from ct [T, H] read
+    through row_token [R]; w [R, 1] float32 when weighted (any array otherwise)."""
+    gathered = row_token is not None
+    row_token = row_token.astype(jnp.int32) if gathered else jnp.zeros((0,), jnp.int32)
+    return down_vjp_p.bind(*_compat.pvary_to_match(ct, gate_up, w, w_out, sizes.astype(jnp.int32), row_token),
+                           activation=activation, weighted=weighted, gathered=gathered)
+
+
+def _vjp_composition(ct, gate_up, w, w_out, sizes, row_token, *, activation, weighted, gathered):
+    """The backward of the layer's second half from the rows' cotangent ct [R, H] (gathered: ct
+    [T, H] read through row_token [R]): (d gate_up, d w [R, 1] float32, w * h). What the d lhs
+    GEMM's epilogue is to compute, in plain terms."""
+    if gathered:
+        from .gather_gemm import gathered_rows  # gather_gemm imports this module's users: when used
+
+        ct = gathered_rows(ct, row_token)
     g = gemm_primitives.ragged_dot_bind(ct[None], w_out[None], sizes[None], rhs_transposed=True, out_dtype=ct.dtype,
                                         precision=None)[0].astype(jnp.float32)
     h, act_vjp = jax.vjp(functools.partial(_activation, activation=activation), gate_up.astype(jnp.float32))
@@ -101,73 +144,90 @@ def _vjp_composition(ct, gate_up, w, w_out, sizes, *, activation, weighted):
     return d_gate_up, jnp.sum(g * h, axis=-1, keepdims=True), w_h
 
 
-def _vjp_abstract(ct, gate_up, w, w_out, sizes, *, activation, weighted):
-    avals = (ct, gate_up, w, w_out, sizes)
+def _vjp_abstract(ct, gate_up, w, w_out, sizes, row_token, *, activation, weighted, gathered):
+    avals = (ct, gate_up, w, w_out, sizes, row_token)
     R = gate_up.shape[0]
     return [_compat.shaped_like(avals, gate_up.shape, gate_up.dtype),
             _compat.shaped_like(avals, (R, 1), jnp.float32),
             _compat.shaped_like(avals, (R, w_out.shape[1]), gate_up.dtype)]
 
 
-def kernel_fits(ct, gate_up, w_out, activation: str) -> bool:
-    """Whether down_vjp_p takes the kernel for these static shapes and dtypes (its launcher's rule)."""
+def kernel_fits(ct, gate_up, w_out, activation: str, gathered: bool = False) -> bool:
+    """Whether down_vjp_p takes the kernel for these static shapes and dtypes (its launcher's rule;
+    gathered: ct is [T, H], read through the row index)."""
     if not (_native.has_target("cuda", "down_backward") and gemm_primitives.kernels_available()):
         return False
     if ct.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or {gate_up.dtype, w_out.dtype} != {ct.dtype}:
         return False
-    (R, H), (E, F, _) = ct.shape, w_out.shape
+    (T, H), R, (E, F, _) = ct.shape, gate_up.shape[0], w_out.shape
+    if gathered and T >= 2**31:
+        return False
     return _native.kernel_fits("cuda", "down_backward", R, H, E, F, ACTIVATION_CODES[activation])
 
 
-def kernel_outputs(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+def kernel_outputs(ct, gate_up, w, w_out, sizes, row_token=None, *, activation, weighted):
     """The kernel's own outputs: d gate_up, the gates' gradient as partial sums per 256 columns
-    [ceil(F / 256), R], and w * h."""
+    [ceil(F / 256), R], and w * h; with row_token [R], ct [T, H] is read through it."""
     R, F = gate_up.shape[0], w_out.shape[1]
     out_types = (jax.ShapeDtypeStruct(gate_up.shape, gate_up.dtype),
                  jax.ShapeDtypeStruct(((F + 255) // 256, R), jnp.float32),
                  jax.ShapeDtypeStruct((R, F), gate_up.dtype))
+    gathered = row_token is not None
+    row_token = row_token if gathered else jnp.zeros((0,), jnp.int32)
     return jax.ffi.ffi_call(_native.target("down_backward"), out_types)(
-        ct, gate_up, w, w_out, sizes, activation=np.int64(ACTIVATION_CODES[activation]), weighted=np.int64(weighted))
+        ct, row_token, gate_up, w, w_out, sizes, activation=np.int64(ACTIVATION_CODES[activation]),
+        weighted=np.int64(weighted), gathered=np.int64(gathered))
 
 
-def _vjp_kernel(ct, gate_up, w, w_out, sizes, *, activation, weighted):
+def _vjp_kernel(ct, gate_up, w, w_out, sizes, row_token, *, activation, weighted, gathered):
     """down_vjp_p on the kernel: the gates' partial sums added up."""
-    d_gate_up, d_w_parts, w_h = kernel_outputs(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
+    d_gate_up, d_w_parts, w_h = kernel_outputs(ct, gate_up, w, w_out, sizes, row_token if gathered else None,
+                                               activation=activation, weighted=weighted)
     return d_gate_up, jnp.sum(d_w_parts, axis=0)[:, None], w_h
 
 
-def _lower_vjp_cuda(ctx, ct, gate_up, w, w_out, sizes, *, activation, weighted):
-    ct_aval, gate_up_aval, _, w_out_aval, _ = ctx.avals_in
+def _lower_vjp_cuda(ctx, ct, gate_up, w, w_out, sizes, row_token, *, activation, weighted, gathered):
+    ct_aval, gate_up_aval, _, w_out_aval, _, _ = ctx.avals_in
     rule = _lower_vjp_composition
-    if (_compat.lowers_per_device(ctx) and ct_aval.shape[0] > 0
-            and kernel_fits(ct_aval, gate_up_aval, w_out_aval, activation)):
+    if (_compat.lowers_per_device(ctx) and gate_up_aval.shape[0] > 0
+            and kernel_fits(ct_aval, gate_up_aval, w_out_aval, activation, gathered)):
         rule = _lower_vjp_kernel
-    return rule(ctx, ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
+    return rule(ctx, ct, gate_up, w, w_out, sizes, row_token, activation=activation, weighted=weighted,
+                gathered=gathered)
 
 
-def _abstract(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, **params):
-    avals = (d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes)
+def _abstract(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, row_token, row_map, *, out_dtype, **params):
+    avals = (d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, row_token, row_map)
+    if out_dtype is not None:  # gathered: the tokens' sum
+        return _compat.shaped_like(avals, (row_map.shape[0], w_out.shape[2]), out_dtype)
     return _compat.shaped_like(avals, (gate_up.shape[0], w_out.shape[2]), gate_up.dtype)
 
 
-def _transpose(ct, d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, *, activation, live, weighted):
-    """Linear in the three tangents only: gate_up, w, w_out and sizes are known here."""
+def _transpose(ct, d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, row_token, row_map, *, activation, live,
+               weighted, out_dtype):
+    """Linear in the three tangents only: gate_up, w, w_out, sizes and the routing are known here."""
     need = tuple(ad.is_undefined_primal(a) for a in (d_gate_up, d_w, d_w_out))
     if type(ct) is ad.Zero or not any(need):
-        return [None] * 7
+        return [None] * 9
+    gathered = out_dtype is not None
+    ct = ct.astype(gate_up.dtype)
     if need[0] or need[1]:  # the d lhs GEMM and its epilogue
-        d_gate_up_ct, d_w_ct, w_h = down_vjp_p.bind(*_compat.pvary_to_match(ct, gate_up, w, w_out, sizes),
-                                                    activation=activation, weighted=weighted)
+        d_gate_up_ct, d_w_ct, w_h = down_vjp(ct, gate_up, w, w_out, sizes, row_token if gathered else None,
+                                             activation=activation, weighted=weighted)
     else:  # w_out's gradient alone: no GEMM before it
         d_gate_up_ct = d_w_ct = None
         h = _activation(gate_up.astype(jnp.float32), activation)
         w_h = (w * h if weighted else h).astype(gate_up.dtype)
     d_gate_up_ct, d_w_ct = (d_gate_up_ct if need[0] else None), (d_w_ct if need[1] else None)
     d_w_out_ct = None
-    if need[2]:  # ragged_dot's weight gradient: (w * h)ᵀ · ct per group
+    if need[2] and gathered:  # (w * h)ᵀ · ct[row_token] per group: ct's rows read through the index
+        from .gather_gemm import gathered_wgrad  # gather_gemm imports this module's users: when used
+
+        d_w_out_ct = gathered_wgrad(w_h, row_token, ct, sizes, gather_rhs=True).astype(d_w_out.aval.dtype)
+    elif need[2]:  # ragged_dot's weight gradient: (w * h)ᵀ · ct per group
         d_w_out_ct = gemm_primitives.ragged_dot_wgrad_bind(w_h[None], ct[None], sizes[None],
                                                            out_dtype=d_w_out.aval.dtype, precision=None)[0]
-    return [d_gate_up_ct, d_w_ct, d_w_out_ct, None, None, None, None]
+    return [d_gate_up_ct, d_w_ct, d_w_out_ct] + [None] * 6
 
 
 def _composition_rules(composition, multiple_results):
@@ -187,7 +247,7 @@ def _composition_rules(composition, multiple_results):
 
 
 for p, composition, abstract, params in ((down_tangent_p, _tangent_composition, _abstract, _PARAMS),
-                                          (down_vjp_p, _vjp_composition, _vjp_abstract, ("activation", "weighted"))):
+                                          (down_vjp_p, _vjp_composition, _vjp_abstract, ("activation", "weighted", "gathered"))):
     p.def_impl(jax.jit(p.bind, static_argnames=params))
     p.def_abstract_eval(abstract)
     mlir.register_lowering(p, mlir.lower_fun(composition, multiple_results=p.multiple_results))

@@ -212,13 +212,14 @@ gathered_wgrad_p = Primitive("jax_moe_permute_gathered_wgrad")
 GATHERED_WGRAD_MODES = ("preferred", "1", "0")
 
 
-def gathered_wgrad_kernel_fits(x, rows: int, n: int, groups: int) -> bool:
-    """Whether gathered_wgrad lowers to the kernel for these static shapes and dtype."""
+def gathered_wgrad_kernel_fits(source, rows: int, k: int, n: int, groups: int) -> bool:
+    """Whether gathered_wgrad lowers to the kernel for these static shapes and dtype (source: the
+    gathered operand's [T, .] array)."""
     if not (_native.has_target("cuda", "gathered_wgrad_sm90") and gemm_primitives.kernels_available()):
         return False
-    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or x.shape[0] == 0 or x.shape[0] >= 2**31:
+    if jnp.dtype(source.dtype) not in _KERNEL_DTYPES or source.shape[0] == 0 or source.shape[0] >= 2**31:
         return False
-    return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, x.shape[1], n, groups)
+    return _native.kernel_fits("cuda", "ragged_dot_wgrad_sm90", rows, k, n, groups)
 
 
 def layer_gathers_wgrad(x, w_in, rows: int, activation: str) -> bool:
@@ -227,45 +228,53 @@ def layer_gathers_wgrad(x, w_in, rows: int, activation: str) -> bool:
     G, _, n = w_in.shape
     ffn_size = n // (2 if _GATED[activation] else 1)
     mode = gemm_primitives.env_choice("MOE_GATHERED_WGRAD", GATHERED_WGRAD_MODES)
-    if mode == "0" or not gathered_wgrad_kernel_fits(x, rows, n, G):
+    if mode == "0" or not gathered_wgrad_kernel_fits(x, rows, x.shape[1], n, G):
         return False
     fine_grained = ffn_size <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * G  # past the dW's long-group rule
     return mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, G, preferred=fine_grained)
 
 
-def gathered_wgrad(x, row_token, ct, group_sizes):
-    """[G, H, N]: x[row_token[rows of g]]ᵀ · ct[rows of g] for each group g (see above)."""
-    args = _compat.pvary_to_match(x, row_token.astype(jnp.int32), ct.astype(x.dtype), group_sizes.astype(jnp.int32))
-    return gathered_wgrad_p.bind(*args)
+def gathered_wgrad(lhs, row_token, rhs, group_sizes, *, gather_rhs: bool = False):
+    """[G, K, N]: lhs[rows of g]ᵀ · rhs[rows of g] for each group g, with the rows of lhs [T, K]
+    (or, gather_rhs, of rhs [T, N]) read through row_token [M] (see above); the other operand has
+    M rows."""
+    args = _compat.pvary_to_match(lhs, row_token.astype(jnp.int32), rhs.astype(lhs.dtype),
+                                  group_sizes.astype(jnp.int32))
+    return gathered_wgrad_p.bind(*args, gather_rhs=bool(gather_rhs))
 
 
-def _wgrad_unfused(x, row_token, ct, group_sizes):
-    return gemm_primitives.ragged_dot_wgrad_bind(gathered_rows(x, row_token)[None], ct[None], group_sizes[None],
-                                                 out_dtype=x.dtype, precision=None)[0]
+def _wgrad_unfused(lhs, row_token, rhs, group_sizes, *, gather_rhs):
+    lhs, rhs = (lhs, gathered_rows(rhs, row_token)) if gather_rhs else (gathered_rows(lhs, row_token), rhs)
+    return gemm_primitives.ragged_dot_wgrad_bind(lhs[None], rhs[None], group_sizes[None], out_dtype=lhs.dtype,
+                                                 precision=None)[0]
 
 
-def _wgrad_abstract(x, row_token, ct, group_sizes):
-    return _compat.shaped_like((x, row_token, ct, group_sizes), (group_sizes.shape[0], x.shape[1], ct.shape[1]),
-                               x.dtype)
+def _wgrad_abstract(lhs, row_token, rhs, group_sizes, *, gather_rhs):
+    return _compat.shaped_like((lhs, row_token, rhs, group_sizes),
+                               (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), lhs.dtype)
 
 
-def _lower_wgrad_cuda(ctx, x, row_token, ct, group_sizes):
-    x_aval, token_aval, ct_aval, sizes_aval = ctx.avals_in
-    if (_compat.lowers_per_device(ctx) and ct_aval.dtype == x_aval.dtype
-            and gathered_wgrad_kernel_fits(x_aval, token_aval.shape[0], ct_aval.shape[1], sizes_aval.shape[0])):
-        return jax.ffi.ffi_lowering(_native.target("gathered_wgrad_sm90"))(ctx, x, row_token, ct, group_sizes)
-    return _lower_wgrad_unfused(ctx, x, row_token, ct, group_sizes)
+def _lower_wgrad_cuda(ctx, lhs, row_token, rhs, group_sizes, *, gather_rhs):
+    lhs_aval, token_aval, rhs_aval, sizes_aval = ctx.avals_in
+    source = rhs_aval if gather_rhs else lhs_aval
+    if (_compat.lowers_per_device(ctx) and rhs_aval.dtype == lhs_aval.dtype
+            and gathered_wgrad_kernel_fits(source, token_aval.shape[0], lhs_aval.shape[1], rhs_aval.shape[1],
+                                           sizes_aval.shape[0])):
+        return jax.ffi.ffi_lowering(_native.target("gathered_wgrad_sm90"))(
+            ctx, lhs, row_token, rhs, group_sizes, gather_rhs=np.int64(gather_rhs))
+    return _lower_wgrad_unfused(ctx, lhs, row_token, rhs, group_sizes, gather_rhs=gather_rhs)
 
 
-def _wgrad_batch(args, dims):
-    return jax.vmap(_wgrad_unfused, in_axes=dims)(*args), 0
+def _wgrad_batch(args, dims, *, gather_rhs):
+    return jax.vmap(functools.partial(_wgrad_unfused, gather_rhs=gather_rhs), in_axes=dims)(*args), 0
 
 
-def _wgrad_jvp(primals, tangents):
+def _wgrad_jvp(primals, tangents, *, gather_rhs):
     """Derivatives (higher orders of the layer) through the unfused composition."""
-    x, row_token, ct, group_sizes = primals
-    dx, _, dct, _ = (ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(lambda x, ct: _wgrad_unfused(x, row_token, ct, group_sizes), (x, ct), (dx, dct))
+    lhs, row_token, rhs, group_sizes = primals
+    d_lhs, _, d_rhs, _ = (ad.instantiate_zeros(t) for t in tangents)
+    f = lambda a, b: _wgrad_unfused(a, row_token, b, group_sizes, gather_rhs=gather_rhs)
+    return jax.jvp(f, (lhs, rhs), (d_lhs, d_rhs))
 
 
 def _transpose(cts, x, row_token, group_sizes, w, *, activation, save_pre):
@@ -286,7 +295,7 @@ def _transpose(cts, x, row_token, group_sizes, w, *, activation, save_pre):
 _lower_wgrad_unfused = mlir.lower_fun(_wgrad_unfused, multiple_results=False)
 
 ad.primitive_transposes[gather_gemm_p] = _transpose
-gathered_wgrad_p.def_impl(jax.jit(gathered_wgrad_p.bind))
+gathered_wgrad_p.def_impl(jax.jit(gathered_wgrad_p.bind, static_argnames=("gather_rhs",)))
 gathered_wgrad_p.def_abstract_eval(_wgrad_abstract)
 mlir.register_lowering(gathered_wgrad_p, _lower_wgrad_unfused)
 batching.primitive_batchers[gathered_wgrad_p] = _wgrad_batch

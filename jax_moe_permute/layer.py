@@ -311,6 +311,8 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     # The first GEMM's weight gradient reads x through the row -> token index where that kernel runs
     # (the layer's T * K rows).
     wgrad_gathers = dw_in is not None and gather_gemm.layer_gathers_wgrad(x, w_in, x.shape[0] * ids.shape[1], activation)
+    # The second GEMM's backward reads the output's cotangent through it (MOE_DOWN_BACKWARD=gathered).
+    down_gathers = down_backward.gathers()
     row_token = None
     if gathers_rows(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
@@ -320,7 +322,7 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
         sizes, row_map = res.group_sizes, res.row_map
         gate_up = ragged_dot(res.hidden, w_in, sizes)
         h = apply_activation(gate_up, activation)
-        if wgrad_gathers:  # the same rows in the same order (the same permute's layout)
+        if wgrad_gathers or down_gathers:  # the same rows in the same order (the same permute's layout)
             row_token = routing_rows(x, ids, num_experts, expert_map, num_local_experts)[0]
     num_rows = gate_up.shape[0]
     out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype, residual=residual)
@@ -339,6 +341,10 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     w_rows = _weights_to_rows(weights, row_map, num_rows)
     dw_rows = None if dweights is None else _weights_to_rows(dweights, row_map, num_rows)
 
+    if down_gathers and (d_gate_up is not None or dw_rows is not None or dw_out is not None):
+        d_out = down_backward.down_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows,
+                                           row_token=row_token, row_map=row_map, out_dtype=x.dtype)
+        return out, d_out if dresidual is None else d_out + dresidual.astype(x.dtype)
     d_y = _second_gemm_tangent(activation, sizes, w_out, gate_up, d_gate_up, dw_out, w_rows, dw_rows)
     return out, ops.moe_unpermute(d_y, row_map, None, out_dtype=x.dtype, residual=dresidual)
 

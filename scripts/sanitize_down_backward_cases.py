@@ -5,7 +5,7 @@
 
 Every activation, bf16 and f16, with and without gates, empty groups, a one-row group, groups
 around the 128-row tile, rows past the groups' sum, H not a multiple of 64 (the K tail), F with a
-partial 256-column tile; each result checked against a float64 reference on the host, so an
+partial 256-column tile; ct's rows in order and read through a row index (tokens -1 and T); each result checked against a float64 reference on the host, so an
 uninitialised read also shows as a mismatch. The inputs are copied from the host and the kernel's
 own outputs copied back (no XLA kernel touches either), so initcheck restricted to the kernel
 (`--kernel-name kns=down_backward_kernel`) sees every write its loads depend on. Arguments (dtype
@@ -70,14 +70,22 @@ def main(names):
                     assert down_backward.kernel_fits(ct, gate_up, w_out, activation), "needs an sm_90 GPU"
                     f = jax.jit(functools.partial(down_backward.kernel_outputs, activation=activation,
                                                   weighted=weighted))
-                    d_gate_up, d_w_parts, w_h = (np.asarray(a, np.float64) for a in f(
-                        ct, gate_up, w, w_out, jax.device_put(np.asarray(sizes, np.int32))))
-                    with jax.default_device(cpu):
-                        want = reference(ct, gate_up, np.asarray(w, np.float64) if weighted else 1.0, w_out, sizes,
-                                         activation)
-                    for a, b in zip((d_gate_up, d_w_parts.sum(axis=0)[:, None], w_h), want):
-                        scale = max(np.abs(b).max(), 1.0)
-                        np.testing.assert_allclose(a / scale, b / scale, atol=3e-2)
+                    device_sizes = jax.device_put(np.asarray(sizes, np.int32))
+                    # ct's rows in order, and read through a row index from [T, H] (tokens -1 and T among them)
+                    T = R // 2 + 1
+                    ct_tokens = on_device((T, H), dtype)
+                    tokens = rng.integers(-1, T + 1, R).astype(np.int32)
+                    ct_gathered = np.where(((tokens >= 0) & (tokens < T))[:, None],
+                                           np.asarray(ct_tokens, np.float64)[np.clip(tokens, 0, T - 1)], 0.0)
+                    for ct_in, index, ct_rows in ((ct, None, ct), (ct_tokens, jax.device_put(tokens), ct_gathered)):
+                        d_gate_up, d_w_parts, w_h = (np.asarray(a, np.float64) for a in f(
+                            ct_in, gate_up, w, w_out, device_sizes, index))
+                        with jax.default_device(cpu):
+                            want = reference(ct_rows, gate_up, np.asarray(w, np.float64) if weighted else 1.0, w_out,
+                                             sizes, activation)
+                        for a, b in zip((d_gate_up, d_w_parts.sum(axis=0)[:, None], w_h), want):
+                            scale = max(np.abs(b).max(), 1.0)
+                            np.testing.assert_allclose(a / scale, b / scale, atol=3e-2)
     print("CASES DONE")
 
 

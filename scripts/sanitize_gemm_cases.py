@@ -10,6 +10,7 @@ Forward, d lhs and dW kernels (bf16 and f16, each tile forced on all three) with
 group, partial tiles in every dimension and a vmapped batch with a broadcast rhs. Checks each
 result against jax.lax.ragged_dot in float32 so an uninitialised read also shows as a mismatch."""
 
+import functools
 import os
 import sys
 
@@ -88,7 +89,7 @@ def run_cases(key):
 
 
 def run_gathered_cases(rng):
-    """gathered_wgrad on the kernel: inputs copied from the host and the kernel's output copied back
+    """gathered_wgrad on the kernel, lhs or rhs gathered: inputs copied from the host and the kernel's output copied back
     (initcheck restricted to the kernel, `--kernel-name kns=grouped_wgrad`, then sees every write
     its loads depend on), against a float64 reference; tokens -1 and T among the rows."""
     for dtype in (jnp.bfloat16, jnp.float16):
@@ -96,15 +97,20 @@ def run_gathered_cases(rng):
             if K % 64 or N % 64:
                 continue
             T = max(M // 2, 1)
-            x = (rng.standard_normal((T, K), np.float32)).astype(dtype)
             tokens = rng.integers(-1, T + 1, M).astype(np.int32)
-            ct = (rng.standard_normal((M, N), np.float32)).astype(dtype)
-            assert gather_gemm.gathered_wgrad_kernel_fits(x, M, N, len(sizes))
-            out = jax.jit(gather_gemm.gathered_wgrad)(*map(jax.device_put, (x, tokens, ct, np.asarray(sizes, np.int32))))
-            rows = np.where(((tokens >= 0) & (tokens < T))[:, None], x.astype(np.float64)[np.clip(tokens, 0, T - 1)], 0)
             starts = np.minimum(np.cumsum([0] + sizes), M)
-            ref = np.stack([rows[a:b].T @ ct.astype(np.float64)[a:b] for a, b in zip(starts[:-1], starts[1:])])
-            check(out, ref, dtype)
+            for gather_rhs in (False, True):  # the first GEMM's dW (x's rows) and the second's (ct's)
+                x = (rng.standard_normal((T, N if gather_rhs else K), np.float32)).astype(dtype)
+                other = (rng.standard_normal((M, K if gather_rhs else N), np.float32)).astype(dtype)
+                assert gather_gemm.gathered_wgrad_kernel_fits(x, M, K, N, len(sizes))
+                lhs, rhs = (other, x) if gather_rhs else (x, other)
+                f = jax.jit(functools.partial(gather_gemm.gathered_wgrad, gather_rhs=gather_rhs))
+                out = f(*map(jax.device_put, (lhs, tokens, rhs, np.asarray(sizes, np.int32))))
+                rows = np.where(((tokens >= 0) & (tokens < T))[:, None], x.astype(np.float64)[np.clip(tokens, 0, T - 1)],
+                                0)
+                a64, b64 = (other.astype(np.float64), rows) if gather_rhs else (rows, other.astype(np.float64))
+                ref = np.stack([a64[a:b].T @ b64[a:b] for a, b in zip(starts[:-1], starts[1:])])
+                check(out, ref, dtype)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jax_moe_permute as jmp
-from jax_moe_permute import down_backward, layer
+from jax_moe_permute import down_backward, gather_gemm, layer
 from conftest import needs_gpu, random_float
-from test_layer import assert_allclose, layer_inputs
+from test_layer import assert_allclose, dense_moe, layer_inputs
 
 ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu"]
 GATED = {"swiglu": True, "geglu": True, "gelu": False, "relu": False}
@@ -54,8 +54,7 @@ def test_down_backward_primitive(case, activation):
     def plain(gate_up, *t):
         d = iter(t)
         d = [next(d) if on else placeholder(None, n) for on, n in zip(live, (2, 2, 3))]
-        return down_backward._tangent_composition(d[0], d[1], d[2], gate_up, placeholder(w, 2), w_out, sizes,
-                                                  **params)
+        return down_backward._rows_tangent(d[0], d[1], d[2], gate_up, placeholder(w, 2), w_out, sizes, **params)
 
     args = [t for t in tangents if t is not None]
     assert_allclose(jax.jit(ours)(gate_up, *args), jax.jit(plain)(gate_up, *args))
@@ -100,7 +99,7 @@ def vjp_reference(ct, gate_up, w, w_out, sizes, activation):
 def vjp_call(ct, gate_up, w, w_out, sizes, activation):
     weighted = w is not None
     w = jnp.zeros((1, 1), jnp.float32) if w is None else w
-    return down_backward.down_vjp_p.bind(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
+    return down_backward.down_vjp(ct, gate_up, w, w_out, sizes, activation=activation, weighted=weighted)
 
 
 def vjp_problem(dtype, activation, weighted, H=200, F=320, sizes=None):
@@ -142,6 +141,33 @@ def test_down_backward_kernel_many_tiles():
     check_kernel(vjp_problem(jnp.bfloat16, "swiglu", True, H=72, sizes=sizes), "swiglu")
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_down_backward_kernel_gathered(dtype, activation):
+    """The kernel reading ct [T, H] through a row index (tokens -1 and T among the rows; H with a
+    K tail) against the float32 reference on the gathered rows, and bitwise equal to the kernel on
+    those rows."""
+    ct_rows, gate_up, w, w_out, sizes = vjp_problem(dtype, activation, True)
+    T = 150
+    tokens = np.array(jax.random.randint(jax.random.PRNGKey(9), (ct_rows.shape[0],), 0, T))
+    tokens[[0, 5, 70]] = -1, T, -7
+    tokens = jnp.asarray(tokens)
+    ct = random_float((T, ct_rows.shape[1]), dtype)
+    if not down_backward.kernel_fits(ct, gate_up, w_out, activation, gathered=True):
+        pytest.skip("the down_backward kernel is not built or this GPU is not sm_90")
+    f = jax.jit(functools.partial(down_backward.down_vjp, activation=activation, weighted=True))
+    assert "down_backward" in f.lower(ct, gate_up, w, w_out, jnp.asarray(sizes), tokens).as_text()
+    got = f(ct, gate_up, w, w_out, jnp.asarray(sizes), tokens)
+    rows = gather_gemm.gathered_rows(ct, tokens)
+    want = vjp_reference(rows, gate_up, w, w_out, sizes, activation)
+    for a, b in zip(got, want):
+        scale = max(float(jnp.abs(b).max()), 1.0)
+        assert_allclose(a.astype(jnp.float32) / scale, b / scale, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
+    for a, b in zip(got, f(rows, gate_up, w, w_out, jnp.asarray(sizes))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def check_kernel(problem, activation):
     ct, gate_up, w, w_out, sizes = problem
     if not down_backward.kernel_fits(ct, gate_up, w_out, activation):
@@ -172,9 +198,54 @@ def test_layer_grads_fused_backward(activation, monkeypatch):
     for mode in down_backward.MODES:
         monkeypatch.setenv("MOE_DOWN_BACKWARD", mode)
         grads[mode] = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(x, weights, w_in, w_out)
-    for a, b in zip(grads["fused"], grads["composition"]):
-        scale = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-3)
-        assert_allclose(a.astype(jnp.float32) / scale, b.astype(jnp.float32) / scale, 3e-2)
+    for mode in ("fused", "gathered"):
+        for a, b in zip(grads[mode], grads["composition"]):
+            scale = max(float(jnp.abs(b.astype(jnp.float32)).max()), 1e-3)
+            assert_allclose(a.astype(jnp.float32) / scale, b.astype(jnp.float32) / scale, 3e-2)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_layer_gathered_backward_matches_dense(monkeypatch, activation, with_map):
+    """MOE_DOWN_BACKWARD=gathered (the second GEMM's backward reading the output's cotangent through
+    the row index; the compositions on the CPU): float32 gradients of every argument, with invalid
+    and repeated ids and an expert_map, equal the dense MoE's; forward-mode derivatives too."""
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "gathered")
+    T, E, K, H, F = 13, 6, 3, 8, 5
+    x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, activation)
+    ids = ids.at[0, 0].set(-1).at[1, 1].set(E).at[2, 2].set(ids[2, 1])
+    kwargs, expert_ids = dict(activation=activation), None
+    if with_map:  # experts 0, 2, 4 live here, as local 0..2
+        kwargs.update(expert_map=jnp.asarray([0, -1, 1, -1, 2, -1], jnp.int32), num_local_experts=3)
+        w_in, w_out, expert_ids = w_in[::2], w_out[::2], jnp.asarray([0, 2, 4])
+    ours = lambda x, w, wi, wo: jmp.moe_mlp(x, w, ids, wi, wo, **kwargs)
+    ref = lambda x, w, wi, wo: dense_moe(x, w, ids, wi, wo, activation, expert_ids)
+    ct = random_float((T, H), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * ct)
+    primals = (x, weights, w_in, w_out)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(ours), (0, 1, 2, 3)))(*primals))
+    assert "down_vjp" in jaxpr and "gathered=True" in jaxpr and "gather_rhs=True" in jaxpr
+    for a, b in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))(*primals), jax.grad(loss(ref), (0, 1, 2, 3))(*primals)):
+        assert_allclose(a, b, 1e-4)
+    tangents = tuple(random_float(a.shape, a.dtype) for a in primals)
+    for a, b in zip(jax.jvp(ours, primals, tangents), jax.jvp(ref, primals, tangents)):
+        assert_allclose(a, b, 1e-4)
+
+
+def test_down_vjp_gathered_composition():
+    """down_vjp with ct read through a row index (tokens -1 and T among the rows) equals it on the
+    gathered rows."""
+    ct, gate_up, w, w_out, sizes = vjp_problem(jnp.float32, "swiglu", True, H=24, F=40)
+    T = 30
+    tokens = np.array(jax.random.randint(jax.random.PRNGKey(5), (ct.shape[0],), 0, T))
+    tokens[[1, 7]] = -1, T
+    x = random_float((T, ct.shape[1]), jnp.float32)
+    sizes = jnp.asarray(sizes)
+    f = functools.partial(down_backward.down_vjp, activation="swiglu", weighted=True)
+    got = jax.jit(f)(x, gate_up, w, w_out, sizes, jnp.asarray(tokens))
+    want = jax.jit(f)(gather_gemm.gathered_rows(x, jnp.asarray(tokens)), gate_up, w, w_out, sizes)
+    for a, b in zip(got, want):
+        assert_allclose(a, b, 1e-6)
 
 
 def test_down_backward_switch_checked(monkeypatch):

@@ -415,6 +415,18 @@ def test_gathered_wgrad_matches_reference(T, H, N, sizes, extra):
     assert_allclose(got, wgrad_reference(x, tokens, ct, sizes), 1e-5)
 
 
+def test_gathered_wgrad_of_rhs():
+    """gather_rhs: rhs's rows read through the index (tokens -1 and T among them), lhs in order."""
+    for T, K, N, sizes, extra in ((7, 16, 8, [3, 0, 5, 2], 2), (1, 8, 4, [1, 0], 0), (0, 8, 4, [0, 2], 1)):
+        y, tokens, sizes, _ = problem(T, N, N, sizes, "none", jnp.float32, extra)
+        lhs = random_float((tokens.shape[0], K), jnp.float32)
+        got = jax.jit(functools.partial(gather_gemm.gathered_wgrad, gather_rhs=True))(lhs, tokens, y, sizes)
+        rows = gather_gemm.gathered_rows(y, tokens)
+        want = jnp.transpose(wgrad_reference(rows, jnp.arange(rows.shape[0]), lhs, sizes), (0, 2, 1))
+        assert got.shape == (len(sizes), K, N)
+        assert_allclose(got, want, 1e-5)
+
+
 def test_gather_gemm_transposes():
     """gather_gemm with activation "none" is linear in w and in x: its transposes are
     gathered_wgrad and the composition's; with another activation there is none."""
@@ -451,7 +463,7 @@ def test_gathered_wgrad_mode_variable(monkeypatch):
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "0")
     assert not gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu")
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "1")
-    fits = gather_gemm.gathered_wgrad_kernel_fits(x, 1024, 256, 8)
+    fits = gather_gemm.gathered_wgrad_kernel_fits(x, 1024, 128, 256, 8)
     assert gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu") == fits
     monkeypatch.setenv("MOE_GATHERED_WGRAD", "preferred")
     assert gather_gemm.layer_gathers_wgrad(x, w_in, 1024, "swiglu") == fits  # 128 rows a group
@@ -501,7 +513,7 @@ def test_gathered_wgrad_kernel(monkeypatch, dtype):
     for sizes in GPU_SIZES:
         x, tokens, sizes, _ = problem(97, H, N, sizes, "none", dtype, extra_rows=5)
         ct = random_float((tokens.shape[0], N), dtype)
-        assert gather_gemm.gathered_wgrad_kernel_fits(x, tokens.shape[0], N, len(sizes))
+        assert gather_gemm.gathered_wgrad_kernel_fits(x, tokens.shape[0], H, N, len(sizes))
         assert WGRAD_TARGET in lowered_text(gather_gemm.gathered_wgrad, x, tokens, ct, sizes)
         got = jax.jit(gather_gemm.gathered_wgrad)(x, tokens, ct, sizes)
         want = wgrad_reference(x, tokens, ct, sizes)
@@ -511,6 +523,28 @@ def test_gathered_wgrad_kernel(monkeypatch, dtype):
         plain = jax.jit(lambda x, t, c, s: jax.linear_transpose(
             lambda w: jmp.ragged_dot(gather_gemm.gathered_rows(x, t), w, s), w_aval)(c)[0])
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain(x, tokens, ct, sizes), np.float32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gathered_wgrad_kernel_of_rhs(monkeypatch, dtype):
+    """The kernel with rhs gathered (the second GEMM's dW reading the output's cotangent) against
+    the float32 reference and bitwise equal to the plain kernel on the gathered rows."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_DW_KERNEL", "persistent")
+    K, N = 320, 192
+    for sizes in GPU_SIZES:
+        y, tokens, sizes, _ = problem(97, N, N, sizes, "none", dtype, extra_rows=5)
+        lhs = random_float((tokens.shape[0], K), dtype)
+        f = jax.jit(functools.partial(gather_gemm.gathered_wgrad, gather_rhs=True))
+        assert WGRAD_TARGET in f.lower(lhs, tokens, y, sizes).as_text()
+        got = f(lhs, tokens, y, sizes)
+        rows = gather_gemm.gathered_rows(y, tokens)
+        want = jnp.transpose(wgrad_reference(rows, jnp.arange(rows.shape[0]), lhs, sizes), (0, 2, 1))
+        scale = max(float(jnp.abs(want).max()), 1.0)
+        assert_allclose(got.astype(jnp.float32) / scale, want / scale, 2e-2)
+        w_aval = jax.ShapeDtypeStruct((len(sizes), K, N), dtype)
+        plain = jax.jit(lambda a, r, s: jax.linear_transpose(lambda w: jmp.ragged_dot(a, w, s), w_aval)(r)[0])
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain(lhs, rows, sizes), np.float32))
 
 
 @needs_gpu

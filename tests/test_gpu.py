@@ -175,9 +175,10 @@ def test_decode_step_graph_replay(tokens, flags):
 TRAIN_STEP_SCRIPT = textwrap.dedent("""
     import os, re, sys
     kernels, tile = sys.argv[1], sys.argv[2]
-    os.environ["MOE_GATHER_GEMM"] = "1" if kernels == "ours" else "0"
-    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = "persistent" if kernels == "ours" else "cutlass"
-    os.environ["MOE_DOWN_BACKWARD"] = "fused" if kernels == "ours" else "composition"
+    ours = kernels.startswith("ours")
+    os.environ["MOE_GATHER_GEMM"] = "1" if ours else "0"
+    os.environ["MOE_GROUPED_GEMM_DW_KERNEL"] = "persistent" if ours else "cutlass"
+    os.environ["MOE_DOWN_BACKWARD"] = {"ours": "fused", "ours-gathered": "gathered"}.get(kernels, "composition")
     if tile != "auto":
         os.environ["MOE_GROUPED_GEMM_TILE"] = tile
     import jax, jax.numpy as jnp, numpy as np
@@ -217,11 +218,13 @@ TRAIN_STEP_SCRIPT = textwrap.dedent("""
 
 @needs_gpu
 @pytest.mark.parametrize("flags", ["", " --xla_gpu_graph_min_graph_size=1"])
-@pytest.mark.parametrize("kernels,tile", [("ours", "auto"), ("cutlass", "auto"), ("cutlass", "64x256")])
+@pytest.mark.parametrize("kernels,tile", [("ours", "auto"), ("ours-gathered", "auto"), ("cutlass", "auto"),
+                                          ("cutlass", "64x256")])
 def test_train_step_graph_replay(kernels, tile, flags):
     """A jit(grad) of the layer under XLA's command buffers stays right on new inputs in new
     buffers: on our hand-written kernels (the fused first GEMM, our dW kernel plain and gathered,
-    down_backward) and
+    down_backward, and with MOE_DOWN_BACKWARD=gathered their forms reading the cotangent through
+    the row index) and
     on CUTLASS's (both of its forward tiles the layer takes, its dW)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + flags).strip()
@@ -230,7 +233,7 @@ def test_train_step_graph_replay(kernels, tile, flags):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REPLAYED" in out.stdout
     targets = (("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90",
-                "jax_moe_permute.gathered_wgrad_sm90", "jax_moe_permute.down_backward") if kernels == "ours" else
+                "jax_moe_permute.gathered_wgrad_sm90", "jax_moe_permute.down_backward") if kernels.startswith("ours") else
                ("jax_moe_permute.ragged_dot", "jax_moe_permute.ragged_dot_weight_grad"))
     for target in targets:
         assert f"'{target}'" in out.stdout, out.stdout

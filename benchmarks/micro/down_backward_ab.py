@@ -37,8 +37,9 @@ def op_alone(name, r, w_out):
     w = jax.random.uniform(k[2], (R, 1), jnp.float32)
     sizes = jnp.bincount(r.ids.reshape(-1), length=E).astype(jnp.int32)
     params = dict(activation="swiglu", weighted=True)
-    kernel = jax.jit(functools.partial(down_backward.down_vjp_p.bind, **params))
-    composition = jax.jit(functools.partial(down_backward._vjp_composition, **params))
+    kernel = jax.jit(functools.partial(down_backward.down_vjp, **params))
+    composition = jax.jit(lambda *a: down_backward._vjp_composition(*a, jnp.zeros((0,), jnp.int32), gathered=False,
+                                                                    **params))
     gemm = jax.jit(lambda ct, w_out, sizes: gemm_primitives.ragged_dot_bind(
         ct[None], w_out[None], sizes[None], rhs_transposed=True, out_dtype=ct.dtype, precision=None)[0])
     args = (ct, gate_up, w, w_out, sizes)

@@ -7,6 +7,10 @@
 // x 64 of H, K-major, read in place), warpgroups 1-2 consume (wgmma m64n256k16, both operands
 // K-major, 64 rows each). Block tile 128 x 256 of g, 4 stages, tiles in the row-tile order of
 // row_tiles.cuh, block b taking tiles b, b + grid, ...
+// Gathered ct (row_token set): row r of ct is row row_token[r] of a [T, H] array (zero where the
+// token is outside [0, T)), loaded by cp.async from all 128 producer threads as gather_gemm.cu
+// loads x, so that the layer's backward reads the output's cotangent through the routing instead
+// of a [M, H] copy of it.
 // Epilogue: the products rounded to T in pairs (as the unfused GEMM's output), gate and up (or the
 // pre-activation) loaded 16 bytes a lane from L2, where the producer prefetched the tile's rows as
 // it started the tile, and transposed within the quad into the accumulator's layout; the
@@ -38,6 +42,9 @@ static_assert(kTileRows * kTileK * 2 == kStageABytes && kTileCols * kTileK * 2 =
 constexpr int kSmemBytes = stage_ring_smem_bytes(kTableBytes);
 
 struct Params {
+  const void* ct;                // gathered: [tokens, H], read through row_token
+  const int32_t* row_token;      // gathered: [M]
+  int64_t tokens;
   const void* gate_up;
   const float* w;  // nullptr: no gates
   const int32_t* group_sizes;
@@ -208,7 +215,7 @@ __device__ void zero_uncovered_rows(const Params& p, int64_t covered, bool gated
   }
 }
 
-template <class T, bool kGated>
+template <class T, bool kGated, bool kGatherCt>
 __global__ void __launch_bounds__(kThreads, 1)
     down_backward_kernel(const Params p, const __grid_constant__ CUtensorMap ct_map,
                          const __grid_constant__ CUtensorMap w_map) {
@@ -230,22 +237,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- producer ----------------
     producer_registers();
     const int tiles = tile_count();
+    // Gathered: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j; row r lands at
+    // r * 128 + ((chunk ^ (r % 8)) * 16), TMA's 128-byte swizzle of the K-major box.
+    const int chunk = threadIdx.x & 7, row_sub = threadIdx.x >> 3;
+    const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
       prefetch_epilogue_rows<kGated>(p, tl, threadIdx.x);
+      int32_t token[8];  // gathered: -1 past the tile's rows or for a token outside [0, T)
+      if constexpr (kGatherCt) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int row = tl.row0 + row_sub + 16 * j;
+          const int32_t tok = row < tl.row_end ? p.row_token[row] : -1;
+          token[j] = tok >= 0 && int64_t(tok) < p.tokens ? tok : -1;
+        }
+      }
       for (int kb = 0; kb < k_blocks; ++kb) {
         ring.wait_empty();
+        const uint32_t full = ring.full(ring.stage);
         if (threadIdx.x == 0) {
           // Whole boxes always: TMA zero-fills past M, F and H and counts the bytes all the same.
-          const uint32_t full = ring.full(ring.stage);
-          mbar_arrive_expect_tx(full, kStageABytes + kStageBBytes);
-          tma_load_2d(ring.a(ring.stage), &ct_map, full, kb * kTileK, tl.row0);
+          mbar_arrive_expect_tx(full, kGatherCt ? kStageBBytes : kStageABytes + kStageBBytes);
+          if (!kGatherCt) tma_load_2d(ring.a(ring.stage), &ct_map, full, kb * kTileK, tl.row0);
           tma_load_3d(ring.b(ring.stage), &w_map, full, kb * kTileK, tl.col_tile * kTileCols, tl.group);
-          mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
+          if (!kGatherCt) mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
+        }
+        if constexpr (kGatherCt) {  // the expect_tx above and these 128 arrivals: kFullArrivals
+          const T* ct = static_cast<const T*>(p.ct);
+          const uint32_t a_stage = ring.a(ring.stage) + a_offset;
+          const int k = kb * kTileK + chunk * 8;  // H % 8 == 0: a chunk is wholly in or past H
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const bool in = token[j] >= 0 && k < p.hidden;
+            const void* src = in ? static_cast<const void*>(ct + int64_t(token[j]) * p.hidden + k) : p.gate_up;
+            cp_async_16_zfill(a_stage + j * (16 * 128), src, in ? 16 : 0);
+          }
+          cp_async_arrive_noinc(full);
         }
         ring.advance();
       }
     }
+    if constexpr (kGatherCt) asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
     // ---------------- consumers ----------------
     consumer_registers();
@@ -266,14 +299,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <class T, bool kGated>
+template <class T, bool kGated, bool kGatherCt>
 cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap ct_map, w_map;
-  // ct [M, H] in boxes of 64 columns x 128 rows; w_out [E, F, H] in boxes of 64 x 256 rows (K-major B).
-  MOE_CUDA_TRY(encode_boxes(&ct_map, type, a.ct, 2, 1, a.rows, a.hidden, kTileRows, CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
+  // ct [M, H] in boxes of 64 columns x 128 rows (not read by TMA where gathered: then a map of one
+  // row, never used); w_out [E, F, H] in boxes of 64 x 256 rows (K-major B).
+  MOE_CUDA_TRY(encode_boxes(&ct_map, type, kGatherCt ? a.w_out : a.ct, 2, 1, kGatherCt ? 1 : a.rows, a.hidden, kTileRows,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
   MOE_CUDA_TRY(encode_boxes(&w_map, type, a.w_out, 3, a.experts, a.ffn, a.hidden, kTileCols,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B));
   Params p;
+  p.ct = a.ct, p.row_token = a.row_token, p.tokens = a.tokens;
   p.gate_up = a.gate_up, p.w = a.w, p.group_sizes = a.group_sizes;
   p.d_gate_up = a.d_gate_up, p.d_w = a.d_w, p.w_h = a.w_h;
   p.rows = a.rows, p.hidden = a.hidden, p.experts = a.experts, p.ffn = a.ffn;
@@ -283,7 +319,7 @@ cudaError_t launch(const DownBackwardArgs& a, CUtensorMapDataType type, cudaStre
   // The tile count lives on the device: one block per tile at most (row_tiles_bound).
   const int64_t tiles_bound = row_tiles_bound(a.rows, a.experts) * p.col_tiles;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(moe::cuda::multiprocessors(), tiles_bound));
-  auto kernel = down_backward_kernel<T, kGated>;
+  auto kernel = down_backward_kernel<T, kGated, kGatherCt>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes, stream>>>(p, ct_map, w_map);
   MOE_CHECK_LAUNCH();
@@ -301,10 +337,13 @@ bool down_backward_fits(int64_t rows, int64_t hidden, int64_t experts, int64_t f
 
 cudaError_t down_backward(Dtype dtype, const DownBackwardArgs& a, cudaStream_t stream) {
   if (!down_backward_fits(a.rows, a.hidden, a.experts, a.ffn, int64_t(a.activation))) return cudaErrorInvalidValue;
+  if (a.row_token != nullptr && (a.tokens < 0 || a.tokens >= (int64_t(1) << 31))) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   const bool gated = gather_gemm_gated(a.activation);
   return dispatch_element_gated(dtype, gated, [&](auto element, auto gated_form, CUtensorMapDataType type) {
-    return launch<decltype(element), decltype(gated_form)::value>(a, type, stream);
+    using T = decltype(element);
+    constexpr bool kGated = decltype(gated_form)::value;
+    return a.row_token != nullptr ? launch<T, kGated, true>(a, type, stream) : launch<T, kGated, false>(a, type, stream);
   });
 }
 

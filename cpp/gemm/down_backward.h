@@ -22,7 +22,10 @@ struct DownBackwardArgs {
   int64_t experts = 0;  // E
   int64_t ffn = 0;      // F: rows of each w_out[g]
   MlpActivation activation = MlpActivation::kSwiglu;
-  const void* ct = nullptr;              // [M, H]
+  const void* ct = nullptr;              // [M, H], or [tokens, H] read through row_token
+  const int32_t* row_token = nullptr;    // gathered ct: [M] on the device, row r of ct is row
+                                         // row_token[r] of ct (zero outside [0, tokens))
+  int64_t tokens = 0;                    // T, with row_token; < 2^31
   const void* gate_up = nullptr;         // [M, 2F] ([gate | up]) for swiglu / geglu, [M, F] else
   const float* w = nullptr;              // [M] the gates in row order, or nullptr (no gates: 1)
   const void* w_out = nullptr;           // [E, F, H]

@@ -18,15 +18,17 @@ ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_moe_permute: down_backward: " + what);
 }
 
-// From ct [M, H], gate_up [M, 2F or F], w [M, 1] float32 (or any, unweighted), w_out [E, F, H]:
-// d_gate_up (gate_up's shape), d_w [ceil(F / 256), M] float32 partial sums, w_h [M, F].
-ffi::Error DownBackward(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> w,
-                        ffi::AnyBuffer w_out, I32Buffer group_sizes, int64_t activation, int64_t weighted,
-                        ffi::Result<ffi::AnyBuffer> d_gate_up, ffi::Result<ffi::Buffer<ffi::F32>> d_w,
-                        ffi::Result<ffi::AnyBuffer> w_h) {
-  auto cd = ct.dimensions(), gd = gate_up.dimensions(), wd = w.dimensions(), od = w_out.dimensions(),
-       sd = group_sizes.dimensions();
-  if (cd.size() != 2) return invalid("ct must be [M, H]");
+// From ct [M, H] (gathered: [T, H], read through row_token [M]), gate_up [M, 2F or F], w [M, 1]
+// float32 (or any, unweighted), w_out [E, F, H]: d_gate_up (gate_up's shape), d_w [ceil(F / 256), M]
+// float32 partial sums, w_h [M, F].
+ffi::Error DownBackward(cudaStream_t stream, ffi::AnyBuffer ct, I32Buffer row_token, ffi::AnyBuffer gate_up,
+                        ffi::Buffer<ffi::F32> w, ffi::AnyBuffer w_out, I32Buffer group_sizes, int64_t activation,
+                        int64_t weighted, int64_t gathered, ffi::Result<ffi::AnyBuffer> d_gate_up,
+                        ffi::Result<ffi::Buffer<ffi::F32>> d_w, ffi::Result<ffi::AnyBuffer> w_h) {
+  auto cd = ct.dimensions(), td = row_token.dimensions(), gd = gate_up.dimensions(), wd = w.dimensions(),
+       od = w_out.dimensions(), sd = group_sizes.dimensions();
+  if (cd.size() != 2) return invalid("ct must be [M, H] ([T, H] when gathered)");
+  if (gathered != 0 && gathered != 1) return invalid("gathered must be 0 or 1");
   if (gd.size() != 2) return invalid("gate_up must be [M, 2F] or [M, F]");
   if (od.size() != 3) return invalid("w_out must be [E, F, H]");
   if (sd.size() != 1) return invalid("group_sizes must be [E]");
@@ -39,7 +41,9 @@ ffi::Error DownBackward(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer g
     if (t != ct.element_type()) return invalid("gate_up, w_out, d_gate_up and w_h must have ct's dtype");
 
   DownBackwardArgs a;
-  a.rows = cd[0], a.hidden = cd[1], a.experts = od[0], a.ffn = od[1];
+  a.rows = gd.size() == 2 ? gd[0] : 0, a.hidden = cd[1], a.experts = od[0], a.ffn = od[1];
+  if (gathered ? td.size() != 1 || td[0] != a.rows || cd[0] >= (int64_t(1) << 31) : cd[0] != a.rows)
+    return invalid("ct must be [M, H], or [T, H] with row_token [M] when gathered (T < 2^31)");
   a.activation = MlpActivation(activation);
   const int64_t width = gather_gemm_gated(a.activation) ? 2 * a.ffn : a.ffn;
   if (od[2] != a.hidden) return invalid("w_out must be [E, F, H] with ct's H");
@@ -54,6 +58,7 @@ ffi::Error DownBackward(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer g
   if (!down_backward_fits(a.rows, a.hidden, a.experts, a.ffn, activation))
     return invalid("shapes outside the kernel's range (F % 64, H % 8, 1 <= E <= 1024, M < 2^31; see down_backward_fits)");
 
+  if (gathered) a.row_token = row_token.typed_data(), a.tokens = cd[0];
   a.ct = ct.untyped_data(), a.gate_up = gate_up.untyped_data(), a.w = weighted ? w.typed_data() : nullptr;
   a.w_out = w_out.untyped_data(), a.group_sizes = group_sizes.typed_data();
   a.d_gate_up = d_gate_up->untyped_data(), a.d_w = d_w->typed_data(), a.w_h = w_h->untyped_data();
@@ -69,13 +74,15 @@ ffi::Error DownBackward(cudaStream_t stream, ffi::AnyBuffer ct, ffi::AnyBuffer g
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDownBackwardCuda, moe::gemm::DownBackward,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // ct [M, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                 // ct [M, H] or [T, H]
+                                  .Arg<moe::gemm::I32Buffer>()                // row_token [M], or [0]
                                   .Arg<xla::ffi::AnyBuffer>()                 // gate_up [M, 2F or F]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [M, 1] or a placeholder
                                   .Arg<xla::ffi::AnyBuffer>()                 // w_out [E, F, H]
                                   .Arg<moe::gemm::I32Buffer>()                // group_sizes [E]
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("weighted")
+                                  .Attr<int64_t>("gathered")
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_gate_up
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [ceil(F / 256), M]
                                   .Ret<xla::ffi::AnyBuffer>(),                // w_h [M, F]

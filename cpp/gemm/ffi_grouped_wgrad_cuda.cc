@@ -38,24 +38,26 @@ ffi::Error GroupedWgrad(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer 
   return cuda_status(grouped_wgrad(*dtype, a, stream), "ragged_dot weight grad (sm90)");
 }
 
-// out [G, K, N]: out[g] = x[row_token[rows of g]]ᵀ · rhs[rows of g], rows whose token is outside
-// [0, T) contributing nothing.
-ffi::Error GroupedWgradGathered(cudaStream_t stream, ffi::AnyBuffer x, I32Buffer row_token, ffi::AnyBuffer rhs,
-                                I32Buffer sizes, ffi::Result<ffi::AnyBuffer> out) {
-  auto xd = x.dimensions(), td = row_token.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions();
+// out [G, K, N]: out[g] = lhs[rows of g]ᵀ · rhs[rows of g] with one operand's rows read through
+// row_token from a [T, .] array (gather_rhs: rhs, else lhs), rows whose token is outside [0, T)
+// contributing nothing.
+ffi::Error GroupedWgradGathered(cudaStream_t stream, ffi::AnyBuffer lhs, I32Buffer row_token, ffi::AnyBuffer rhs,
+                                I32Buffer sizes, ffi::Result<ffi::AnyBuffer> out, int64_t gather_rhs) {
+  auto ld = lhs.dimensions(), td = row_token.dimensions(), rd = rhs.dimensions(), sd = sizes.dimensions();
   auto od = out->dimensions();
-  if (xd.size() != 2 || td.size() != 1 || rd.size() != 2 || sd.size() != 1 || od.size() != 3)
-    return invalid("expected x [T, K], row_token [M], rhs [M, N], group_sizes [G], out [G, K, N]");
-  const auto dtype = gemm_dtype(x.element_type());
-  if (!dtype || rhs.element_type() != x.element_type() || out->element_type() != x.element_type())
-    return invalid("x, rhs and out must all be bfloat16 or all float16");
+  if (ld.size() != 2 || td.size() != 1 || rd.size() != 2 || sd.size() != 1 || od.size() != 3)
+    return invalid("expected lhs [T or M, K], row_token [M], rhs [M or T, N], group_sizes [G], out [G, K, N]");
+  const auto dtype = gemm_dtype(lhs.element_type());
+  if (!dtype || rhs.element_type() != lhs.element_type() || out->element_type() != lhs.element_type())
+    return invalid("lhs, rhs and out must all be bfloat16 or all float16");
   GroupedWgradArgs a;
-  a.rows = td[0], a.k = xd[1], a.n = rd[1], a.groups = sd[0], a.lhs_src_rows = xd[0];
-  if (rd[0] != a.rows || od[0] != a.groups || od[1] != a.k || od[2] != a.n)
+  a.rows = td[0], a.k = ld[1], a.n = rd[1], a.groups = sd[0];
+  a.gather_rhs = gather_rhs != 0, a.gather_src_rows = a.gather_rhs ? rd[0] : ld[0];
+  if ((a.gather_rhs ? ld[0] : rd[0]) != a.rows || od[0] != a.groups || od[1] != a.k || od[2] != a.n)
     return invalid("operand shapes do not agree");
-  if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups) || a.lhs_src_rows >= (int64_t(1) << 31))
+  if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups) || a.gather_src_rows >= (int64_t(1) << 31))
     return invalid("shapes outside the kernel's range (K, N multiples of 64, 1 <= G <= 1024, T < 2^31)");
-  a.lhs = x.untyped_data(), a.lhs_rows = row_token.typed_data(), a.rhs = rhs.untyped_data();
+  a.lhs = lhs.untyped_data(), a.gather_index = row_token.typed_data(), a.rhs = rhs.untyped_data();
   a.group_sizes = sizes.typed_data(), a.out = out->untyped_data();
   return cuda_status(grouped_wgrad(*dtype, a, stream), "gathered weight grad (sm90)");
 }
@@ -78,9 +80,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedWgradCuda, moe::gemm::GroupedWgrad,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedWgradGatheredCuda, moe::gemm::GroupedWgradGathered,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<moe::gemm::Stream>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // x [T, K]
+                                  .Arg<xla::ffi::AnyBuffer>()   // lhs [T or M, K]
                                   .Arg<moe::gemm::I32Buffer>()  // row_token [M]
-                                  .Arg<xla::ffi::AnyBuffer>()   // rhs [M, N]
+                                  .Arg<xla::ffi::AnyBuffer>()   // rhs [M or T, N]
                                   .Arg<moe::gemm::I32Buffer>()  // group_sizes [G]
-                                  .Ret<xla::ffi::AnyBuffer>(),  // out [G, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>()   // out [G, K, N]
+                                  .Attr<int64_t>("gather_rhs"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -22,10 +22,11 @@
 // running at once share one group's rows in L2); a group without rows stores its zero tiles, so
 // there is no zero-fill launch.
 //
-// Gathered lhs (lhs_rows set): row r of lhs is row lhs_rows[r] of a [T, K] array (zero where that
-// index is outside [0, T)): the layer's first weight gradient reads x through the routing's row ->
-// token index instead of a permuted copy [M, K] of it. lhs then always arrives by cp.async (TMA
-// has no row gather), rhs by TMA on whole stages as before.
+// Gathered operand (gather_index set): row r of lhs (or of rhs) is row gather_index[r] of a [T, K]
+// (or [T, N]) array, zero where that index is outside [0, T): the layer's weight gradients read x
+// (first GEMM, lhs) and the output's cotangent (second GEMM, rhs) through the routing's row ->
+// token index instead of permuted copies [M, .] of them. That operand then always arrives by
+// cp.async (TMA has no row gather), the other by TMA on whole stages as before.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -63,9 +64,9 @@ struct Params {
   const void* lhs;
   const void* rhs;
   const int32_t* group_sizes;
-  const int32_t* lhs_rows;  // gathered lhs: row r of lhs is row lhs_rows[r] of [lhs_src_rows, K]
+  const int32_t* gather_index;  // gathered operand: its row r is row gather_index[r] of [gather_src_rows, .]
   void* out;
-  int64_t rows, k, n, groups, lhs_src_rows;
+  int64_t rows, k, n, groups, gather_src_rows;
   // Tiles of one group along K and N, and of all groups (run group by group). From the host: the
   // loop bound then stays in the parameter bank (derived on the device, ptxas spilled it).
   int k_tiles, n_tiles, tiles;
@@ -200,8 +201,8 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t co
   }
 }
 
-// The gathered lhs's source rows of this thread's stage rows row0 + row_sub + 16 j: index[row], -1
-// from row_end on or outside [0, src_rows).
+// The gathered operand's source rows of this thread's stage rows row0 + row_sub + 16 j: index[row],
+// -1 from row_end on or outside [0, src_rows).
 __device__ __forceinline__ void gathered_rows(int32_t (&src_row)[4], const int32_t* index, int64_t src_rows, int row0,
                                               int row_end, int row_sub) {
 #pragma unroll
@@ -212,14 +213,14 @@ __device__ __forceinline__ void gathered_rows(int32_t (&src_row)[4], const int32
   }
 }
 
-// copy_rows<2> of the gathered lhs: the stage's row row_sub + 16 j from row src_row[j] (-1: zeros).
-template <class T>
+// copy_rows of the gathered operand: the stage's row row_sub + 16 j from row src_row[j] (-1: zeros).
+template <int BOXES, class T>
 __device__ __forceinline__ void copy_gathered_rows(uint32_t dst, const T* src, int64_t cols, int col0,
                                                    const int32_t (&src_row)[4], int chunk) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < BOXES; ++b) {
       const int64_t col = col0 + b * kBox + chunk * 8;
       const bool ok = src_row[j] >= 0 && col < cols;
       cp_async_16_zfill(dst + b * kBoxBytes + j * (16 * 128), ok ? src + int64_t(src_row[j]) * cols + col : src,
@@ -228,7 +229,9 @@ __device__ __forceinline__ void copy_gathered_rows(uint32_t dst, const T* src, i
   }
 }
 
-template <class T, Epilogue E, bool kGatherLhs>
+enum class Gather { kNone, kLhs, kRhs };
+
+template <class T, Epilogue E, Gather G>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgrad_kernel(const Params p, const __grid_constant__ CUtensorMap lhs_map,
                          const __grid_constant__ CUtensorMap rhs_map, const __grid_constant__ CUtensorMap out_map) {
@@ -258,29 +261,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int step = 0; step < tl.steps; ++step) {
         const int step_row = tl.row0 + step * kStepRows;
         const bool whole = tl.row_end - step_row >= kStepRows;  // 64 rows of the group
-        int32_t lhs_row[4];  // gathered: loaded before the wait, which hides their latency
-        if constexpr (kGatherLhs) gathered_rows(lhs_row, p.lhs_rows, p.lhs_src_rows, step_row, tl.row_end, row_sub);
+        int32_t src_row[4];  // the gathered operand's: loaded before the wait, which hides their latency
+        if constexpr (G != Gather::kNone) gathered_rows(src_row, p.gather_index, p.gather_src_rows, step_row, tl.row_end, row_sub);
         ring.wait_empty();
         const uint32_t full = ring.full(ring.stage), a_stage = ring.a(ring.stage), b_stage = ring.b(ring.stage);
-        if (whole) {  // TMA, lhs by cp.async where gathered
+        if (whole) {  // TMA, the gathered operand by cp.async
           if (t == 0) {
             // K, N % 64 == 0: boxes are whole; those past K or N are not loaded (their rows or
             // columns of out are not stored).
-            const int a_boxes = kGatherLhs ? 0 : int(min(int64_t(2), (p.k - tl.k0) / kBox));
-            const int b_boxes = column_boxes(p, tl);
+            const int a_boxes = G == Gather::kLhs ? 0 : int(min(int64_t(2), (p.k - tl.k0) / kBox));
+            const int b_boxes = G == Gather::kRhs ? 0 : column_boxes(p, tl);
             mbar_arrive_expect_tx(full, (a_boxes + b_boxes) * kBoxBytes);
             for (int b = 0; b < a_boxes; ++b) tma_load_2d(a_stage + b * kBoxBytes, &lhs_map, full, tl.k0 + b * kBox, step_row);
             for (int b = 0; b < b_boxes; ++b) tma_load_2d(b_stage + b * kBoxBytes, &rhs_map, full, tl.n0 + b * kBox, step_row);
-            if (!kGatherLhs) mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
+            if (G == Gather::kNone) mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
           }
-          if constexpr (kGatherLhs) {  // the expect_tx above and these 128 arrivals: kFullArrivals
-            copy_gathered_rows(a_stage + box_offset, lhs, p.k, tl.k0, lhs_row, chunk);
+          if constexpr (G != Gather::kNone) {  // the expect_tx above and these 128 arrivals: kFullArrivals
+            if constexpr (G == Gather::kLhs) copy_gathered_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, src_row, chunk);
+            else copy_gathered_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, src_row, chunk);
             cp_async_arrive_noinc(full);
           }
         } else {  // the group's partial last stage: cp.async, zero-filled past its end
-          if constexpr (kGatherLhs) copy_gathered_rows(a_stage + box_offset, lhs, p.k, tl.k0, lhs_row, chunk);
+          if constexpr (G == Gather::kLhs) copy_gathered_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, src_row, chunk);
           else copy_rows<2>(a_stage + box_offset, lhs, p.k, tl.k0, step_row, tl.row_end, row_sub, chunk);
-          copy_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end, row_sub, chunk);
+          if constexpr (G == Gather::kRhs) copy_gathered_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, src_row, chunk);
+          else copy_rows<4>(b_stage + box_offset, rhs, p.n, tl.n0, step_row, tl.row_end, row_sub, chunk);
           cp_async_arrive_noinc(full);
           if (t == 0) mbar_arrive(full);
         }
@@ -327,10 +332,10 @@ cudaError_t make_rows_map(const void* a, int64_t rows, int64_t cols, CUtensorMap
 template <Epilogue E>
 using Is = std::integral_constant<Epilogue, E>;
 
-template <class T, Epilogue E, bool kGatherLhs>
+template <class T, Epilogue E, Gather G>
 cudaError_t launch_kernel(const Params& p, int64_t blocks, const CUtensorMap& lhs_map, const CUtensorMap& rhs_map,
                           const CUtensorMap& out_map, cudaStream_t stream) {
-  auto kernel = grouped_wgrad_kernel<T, E, kGatherLhs>;
+  auto kernel = grouped_wgrad_kernel<T, E, G>;
   MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<E>));
   kernel<<<dim3(unsigned(blocks)), dim3(kThreads), kSmemBytes<E>, stream>>>(p, lhs_map, rhs_map, out_map);
   MOE_CHECK_LAUNCH();
@@ -341,15 +346,16 @@ template <class T>
 cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStream_t stream) {
   CUtensorMap lhs_map, rhs_map, out_map;
   // Without rows nothing is loaded; the maps then point at out (any valid address) for one row.
-  // A gathered lhs is not read by TMA: its map is never used.
-  const bool gathered = a.lhs_rows != nullptr;
-  MOE_CUDA_TRY(make_rows_map(a.rows > 0 && !gathered ? a.lhs : a.out, gathered ? 1 : a.rows, a.k, type, &lhs_map));
-  MOE_CUDA_TRY(make_rows_map(a.rows > 0 ? a.rhs : a.out, a.rows, a.n, type, &rhs_map));
+  // A gathered operand is not read by TMA: its map is never used.
+  const Gather gather = a.gather_index == nullptr ? Gather::kNone : a.gather_rhs ? Gather::kRhs : Gather::kLhs;
+  const bool lhs_by_tma = a.rows > 0 && gather != Gather::kLhs, rhs_by_tma = a.rows > 0 && gather != Gather::kRhs;
+  MOE_CUDA_TRY(make_rows_map(lhs_by_tma ? a.lhs : a.out, lhs_by_tma ? a.rows : 1, a.k, type, &lhs_map));
+  MOE_CUDA_TRY(make_rows_map(rhs_by_tma ? a.rhs : a.out, rhs_by_tma ? a.rows : 1, a.n, type, &rhs_map));
   // out [G, K, N] in the TMA-store epilogue's boxes: 64 columns x 64 rows of one group.
   MOE_CUDA_TRY(encode_boxes(&out_map, type, a.out, 3, a.groups, a.k, a.n, kBox, CU_TENSOR_MAP_L2_PROMOTION_NONE));
   Params p;
-  p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.lhs_rows = a.lhs_rows, p.out = a.out;
-  p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups, p.lhs_src_rows = a.lhs_src_rows;
+  p.lhs = a.lhs, p.rhs = a.rhs, p.group_sizes = a.group_sizes, p.gather_index = a.gather_index, p.out = a.out;
+  p.rows = a.rows, p.k = a.k, p.n = a.n, p.groups = a.groups, p.gather_src_rows = a.gather_src_rows;
   p.stagger = consumer_stagger();
   p.k_tiles = int((a.k + kTileK - 1) / kTileK), p.n_tiles = int((a.n + kTileN - 1) / kTileN);
   const int64_t tiles = a.groups * p.k_tiles * p.n_tiles;  // < 2^31: grouped_wgrad_fits
@@ -361,10 +367,11 @@ cudaError_t launch(const GroupedWgradArgs& a, CUtensorMapDataType type, cudaStre
   const Epilogue e = Epilogue(epilogue);
   auto run = [&](auto epilogue) {
     constexpr Epilogue kE = decltype(epilogue)::value;
-    return launch_kernel<T, kE, false>(p, blocks, lhs_map, rhs_map, out_map, stream);
+    return launch_kernel<T, kE, Gather::kNone>(p, blocks, lhs_map, rhs_map, out_map, stream);
   };
-  // A gathered lhs always stores by TMA (the registers epilogue is an A/B switch of the plain kernel).
-  if (gathered) return launch_kernel<T, Epilogue::kTma, true>(p, blocks, lhs_map, rhs_map, out_map, stream);
+  // A gathered operand always stores by TMA (the registers epilogue is an A/B switch of the plain kernel).
+  if (gather == Gather::kLhs) return launch_kernel<T, Epilogue::kTma, Gather::kLhs>(p, blocks, lhs_map, rhs_map, out_map, stream);
+  if (gather == Gather::kRhs) return launch_kernel<T, Epilogue::kTma, Gather::kRhs>(p, blocks, lhs_map, rhs_map, out_map, stream);
   return e == Epilogue::kTma ? run(Is<Epilogue::kTma>{}) : run(Is<Epilogue::kRegisters>{});
 }
 
@@ -383,7 +390,8 @@ bool grouped_wgrad_preferred(int64_t rows, int64_t k, int64_t n, int64_t groups)
 
 cudaError_t grouped_wgrad(Dtype dtype, const GroupedWgradArgs& a, cudaStream_t stream) {
   if (!grouped_wgrad_fits(a.rows, a.k, a.n, a.groups)) return cudaErrorInvalidValue;
-  if (a.lhs_rows != nullptr && (a.lhs_src_rows < 0 || a.lhs_src_rows >= (int64_t(1) << 31))) return cudaErrorInvalidValue;
+  if (a.gather_index != nullptr && (a.gather_src_rows < 0 || a.gather_src_rows >= (int64_t(1) << 31)))
+    return cudaErrorInvalidValue;
   return dtype == Dtype::kBf16 ? launch<__nv_bfloat16>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream)
                                : launch<__half>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
 }

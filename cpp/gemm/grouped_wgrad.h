@@ -17,11 +17,12 @@ struct GroupedWgradArgs {
   int64_t k = 0;       // columns of lhs: rows of each out[g]
   int64_t n = 0;       // columns of rhs and of each out[g]
   int64_t groups = 0;  // G
-  const void* lhs = nullptr;             // [M, K], or [lhs_src_rows, K] read through lhs_rows
-  const int32_t* lhs_rows = nullptr;     // gathered lhs: [M] on the device, row r of lhs is row
-                                         // lhs_rows[r] of lhs (zero outside [0, lhs_src_rows))
-  int64_t lhs_src_rows = 0;              // T, with lhs_rows; < 2^31
-  const void* rhs = nullptr;             // [M, N]
+  const void* lhs = nullptr;             // [M, K], or [T, K] read through gather_index
+  const void* rhs = nullptr;             // [M, N], or [T, N] read through gather_index (gather_rhs)
+  const int32_t* gather_index = nullptr; // gathered operand: [M] on the device, its row r is row
+                                         // gather_index[r] of the [T, .] array (zero outside [0, T))
+  int64_t gather_src_rows = 0;           // T, with gather_index; < 2^31
+  bool gather_rhs = false;               // which operand gather_index reads: lhs, or rhs
   const int32_t* group_sizes = nullptr;  // [G], on the device
   void* out = nullptr;                   // [G, K, N]
 };
