@@ -237,22 +237,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---------------- producer ----------------
     producer_registers();
     const int tiles = tile_count();
-    // Gathered: thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j; row r lands at
-    // r * 128 + ((chunk ^ (r % 8)) * 16), TMA's 128-byte swizzle of the K-major box.
-    const int chunk = threadIdx.x & 7, row_sub = threadIdx.x >> 3;
-    const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
+    GatheredTileRows ct_rows;  // gathered: ct's rows (row_tiles.cuh)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const RowTile tl = decode_row_tile(tile, group_end, row_tile_end, experts, p.col_tiles);
       prefetch_epilogue_rows<kGated>(p, tl, threadIdx.x);
-      int32_t token[8];  // gathered: -1 past the tile's rows or for a token outside [0, T)
-      if constexpr (kGatherCt) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int row = tl.row0 + row_sub + 16 * j;
-          const int32_t tok = row < tl.row_end ? p.row_token[row] : -1;
-          token[j] = tok >= 0 && int64_t(tok) < p.tokens ? tok : -1;
-        }
-      }
+      if constexpr (kGatherCt) ct_rows.start(tl, p.row_token, p.tokens);
       for (int kb = 0; kb < k_blocks; ++kb) {
         ring.wait_empty();
         const uint32_t full = ring.full(ring.stage);
@@ -264,15 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (!kGatherCt) mbar_arrive(full, kFullArrivals - 1);  // the other producer threads' arrivals, in one
         }
         if constexpr (kGatherCt) {  // the expect_tx above and these 128 arrivals: kFullArrivals
-          const T* ct = static_cast<const T*>(p.ct);
-          const uint32_t a_stage = ring.a(ring.stage) + a_offset;
-          const int k = kb * kTileK + chunk * 8;  // H % 8 == 0: a chunk is wholly in or past H
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const bool in = token[j] >= 0 && k < p.hidden;
-            const void* src = in ? static_cast<const void*>(ct + int64_t(token[j]) * p.hidden + k) : p.gate_up;
-            cp_async_16_zfill(a_stage + j * (16 * 128), src, in ? 16 : 0);
-          }
+          ct_rows.copy(ring.a(ring.stage), static_cast<const T*>(p.ct), p.hidden, kb, p.gate_up);
           cp_async_arrive_noinc(full);
         }
         ring.advance();

@@ -169,26 +169,17 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     producer_registers();
-    // Thread t copies 16-byte chunk t % 8 of the 128-byte k-block slice of rows t / 8 + 16 j,
-    // j < 8: the 8 threads of a row read it whole and a warp instruction reads 4 full rows.
+    // The 8 threads of a row read its 128-byte k-block slice whole and a warp instruction reads 4
+    // full rows (row_tiles.cuh).
     const int t = threadIdx.x;
-    const int chunk = t & 7, row_sub = t >> 3;
-    // Row r = row_sub + 16 j lands at r * 128 + ((chunk ^ (r % 8)) * 16): the K-major 128-byte
-    // swizzle wgmma reads (r % 8 == row_sub % 8 for every j).
-    const uint32_t a_offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
+    GatheredTileRows a_rows;
     const T* x = static_cast<const T*>(p.x);
     int tile = blockIdx.x;
     for (int i = 0; tile < tiles; ++i) {
       // Dynamic: the tile after this one, asked for now (its latency hides under this tile's loads).
       const int next = kDynamic ? (t == 0 ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : 0) : tile + int(gridDim.x);
       const Tile tl = decode_row_tile(tile, group_end, row_tile_end, experts, col_tiles);
-      int32_t token[8];  // -1: padding or an invalid token, zero-filled
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int row = tl.row0 + row_sub + 16 * j;
-        const int32_t tok = row < tl.row_end ? p.row_token[row] : -1;
-        token[j] = tok >= 0 && int64_t(tok) < p.tokens ? tok : -1;
-      }
+      a_rows.start(tl, p.row_token, p.tokens);  // padding and invalid tokens: zero-filled rows
       // Gated: boxes 0-1 are gate columns [128 j, 128 j + 128), boxes 2-3 the up columns F + 128 j...
       // Non-gated: 256 consecutive columns; boxes wholly past N are not loaded (their
       // accumulator columns are not stored).
@@ -209,15 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) gather_gemm_kernel(const Params p
             if (b < 2 || right_half) tma_load_3d(b_stage + b * kBoxBytes, &w_map, full, col, kb * kTileK, tl.group);
           }
         }
-        // Missing rows and the K tail are zero-filled.
-        const uint32_t a_stage = ring.a(ring.stage) + a_offset;
-        const int k = kb * kTileK + chunk * 8;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const bool in = token[j] >= 0 && k < p.hidden;
-          const void* src = in ? static_cast<const void*>(x + int64_t(token[j]) * p.hidden + k) : p.w;
-          cp_async_16_zfill(a_stage + j * (16 * 128), src, in ? 16 : 0);
-        }
+        a_rows.copy(ring.a(ring.stage), x, p.hidden, kb, p.w);  // missing rows and the K tail: zeros
         cp_async_arrive_noinc(full);
         ring.advance();
       }

@@ -73,4 +73,38 @@ __device__ inline void scan_row_tiles(const int32_t* group_sizes, int64_t expert
   }
 }
 
+// A row tile's A operand gathered from rows of x [T, H] through row_token (gather_gemm.cu reads x,
+// down_backward.cu the output's cotangent), 64 columns a stage by cp.async from the 128 producer
+// threads: thread t copies 16-byte chunk t % 8 of the tile's rows t / 8 + 16 j, j < 8, landing at
+// row * 128 + ((chunk ^ (row % 8)) * 16), TMA's 128-byte swizzle of a K-major box.
+struct GatheredTileRows {
+  int32_t token[8];  // this thread's rows' source rows: -1 past the tile's rows or outside [0, T)
+
+  // The tile's source rows, read once a tile.
+  __device__ __forceinline__ void start(const RowTile& t, const int32_t* row_token, int64_t tokens) {
+    const int row_sub = int(threadIdx.x & 127) >> 3;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int row = t.row0 + row_sub + 16 * j;
+      const int32_t tok = row < t.row_end ? row_token[row] : -1;
+      token[j] = tok >= 0 && int64_t(tok) < tokens ? tok : -1;
+    }
+  }
+
+  // Columns [64 kb, 64 kb + 64) of them into a stage's A (a_stage), zero-filled for missing rows and
+  // past H (H % 8 == 0: a chunk is wholly in or out); `valid` is any readable address.
+  template <class T>
+  __device__ __forceinline__ void copy(uint32_t a_stage, const T* x, int64_t hidden, int kb, const void* valid) const {
+    const int chunk = threadIdx.x & 7, row_sub = int(threadIdx.x & 127) >> 3;
+    const uint32_t offset = uint32_t(row_sub) * 128 + (uint32_t(chunk ^ (row_sub & 7)) << 4);
+    const int k = kb * 64 + chunk * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const bool in = token[j] >= 0 && k < hidden;
+      const void* src = in ? static_cast<const void*>(x + int64_t(token[j]) * hidden + k) : valid;
+      cp_async_16_zfill(a_stage + offset + j * (16 * 128), src, in ? 16 : 0);
+    }
+  }
+};
+
 }  // namespace moe::gemm::sm90
