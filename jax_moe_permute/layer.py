@@ -311,8 +311,6 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
     # The first GEMM's weight gradient reads x through the row -> token index where that kernel runs
     # (the layer's T * K rows).
     wgrad_gathers = dw_in is not None and gather_gemm.layer_gathers_wgrad(x, w_in, x.shape[0] * ids.shape[1], activation)
-    # The second GEMM's backward reads the output's cotangent through it (MOE_DOWN_BACKWARD=gathered).
-    down_gathers = down_backward.gathers()
     row_token = None
     if gathers_rows(x, ids, w_in, activation, differentiated=True):  # rows gathered, activation in the first GEMM
         row_token, sizes, row_map = routing_rows(x, ids, num_experts, expert_map, num_local_experts)
@@ -322,9 +320,11 @@ def _routed_experts_jvp(activation, num_experts, num_local_experts, primals, tan
         sizes, row_map = res.group_sizes, res.row_map
         gate_up = ragged_dot(res.hidden, w_in, sizes)
         h = apply_activation(gate_up, activation)
-        if wgrad_gathers or down_gathers:  # the same rows in the same order (the same permute's layout)
-            row_token = routing_rows(x, ids, num_experts, expert_map, num_local_experts)[0]
     num_rows = gate_up.shape[0]
+    # The second GEMM's backward reads the output's cotangent through it (MOE_DOWN_BACKWARD).
+    down_gathers = down_backward.layer_gathers(x, gate_up, w_out, x.shape[0] * ids.shape[1], activation)
+    if row_token is None and (wgrad_gathers or down_gathers):  # the same rows in the permute's order
+        row_token = routing_rows(x, ids, num_experts, expert_map, num_local_experts)[0]
     out = ops.moe_unpermute(ragged_dot(h, w_out, sizes), row_map, weights, out_dtype=x.dtype, residual=residual)
     if dx is None and dweights is None and dw_in is None and dw_out is None:
         return out, jnp.zeros_like(out) if dresidual is None else dresidual

@@ -248,6 +248,36 @@ def test_down_vjp_gathered_composition():
         assert_allclose(a, b, 1e-6)
 
 
+def test_down_backward_default_rule(monkeypatch):
+    """MOE_DOWN_BACKWARD=preferred (the default) gathers in the layer for fine-grained experts where
+    the kernel fits (Qwen3-30B-A3B's shapes at T = 4096), not for wide experts (Mixtral's F), nor
+    from MAX_GROUP_ROWS rows a group, nor where no kernel runs; gathered / composition force it."""
+    qwen3 = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 2048), (32768, 1536), (128, 768, 2048))]
+    mixtral = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 4096), (8192, 28672), (8, 14336, 4096))]
+    monkeypatch.delenv("MOE_DOWN_BACKWARD", raising=False)
+    fits = down_backward.kernel_fits(*qwen3, "swiglu", gathered=True)
+    assert down_backward.layer_gathers(*qwen3, 32768, "swiglu") == fits
+    assert not down_backward.layer_gathers(*mixtral, 8192, "swiglu")
+    monkeypatch.setattr(down_backward, "kernel_fits", lambda *a, **k: True)
+    assert down_backward.layer_gathers(*qwen3, 32768, "swiglu")
+    assert not down_backward.layer_gathers(*qwen3, gather_gemm.MAX_GROUP_ROWS * 128, "swiglu")
+    assert not down_backward.layer_gathers(*mixtral, 8192, "swiglu")
+    monkeypatch.setattr(down_backward, "kernel_fits", lambda *a, **k: False)
+    assert not down_backward.layer_gathers(*qwen3, 32768, "swiglu")
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "gathered")
+    assert down_backward.layer_gathers(*mixtral, 8192, "swiglu")
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "composition")
+    assert not down_backward.layer_gathers(*qwen3, 32768, "swiglu")
+
+
+@needs_gpu
+def test_down_backward_default_gathers_on_gpu(monkeypatch):
+    """On the GPU the default takes the gathered kernel for Qwen3-30B-A3B's shapes."""
+    monkeypatch.delenv("MOE_DOWN_BACKWARD", raising=False)
+    qwen3 = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 2048), (32768, 1536), (128, 768, 2048))]
+    assert down_backward.layer_gathers(*qwen3, 32768, "swiglu")
+
+
 def test_down_backward_switch_checked(monkeypatch):
     """Any other MOE_DOWN_BACKWARD value is an error naming the variable when the layer's
     derivative is traced."""

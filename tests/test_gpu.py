@@ -232,9 +232,12 @@ def test_train_step_graph_replay(kernels, tile, flags):
                          text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REPLAYED" in out.stdout
-    targets = (("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90",
-                "jax_moe_permute.gathered_wgrad_sm90", "jax_moe_permute.down_backward") if kernels.startswith("ours") else
-               ("jax_moe_permute.ragged_dot", "jax_moe_permute.ragged_dot_weight_grad"))
+    targets = {"ours": ("jax_moe_permute.gather_gemm", "jax_moe_permute.ragged_dot_wgrad_sm90",
+                        "jax_moe_permute.gathered_wgrad_sm90", "jax_moe_permute.down_backward"),
+               # both weight gradients gathered: x's rows for w_in's, the cotangent's for w_out's
+               "ours-gathered": ("jax_moe_permute.gather_gemm", "jax_moe_permute.gathered_wgrad_sm90",
+                                 "jax_moe_permute.down_backward"),
+               "cutlass": ("jax_moe_permute.ragged_dot", "jax_moe_permute.ragged_dot_weight_grad")}[kernels]
     for target in targets:
         assert f"'{target}'" in out.stdout, out.stdout
     print(out.stdout)
