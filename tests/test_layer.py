@@ -46,8 +46,10 @@ def assert_allclose(a, b, tol=1e-5):
 
 
 # MOE_DOWN_BACKWARD: the backward of the layer's second half as the plain tangent's transpose, or
-# as down_backward.py's primitive (one pass after the d lhs GEMM).
-DOWN_BACKWARD = ["composition", "fused"]
+# as down_backward.py's primitive (one pass after the d lhs GEMM), plain or gathered (from the
+# output's cotangent read through the row index: the GPU default for fine-grained experts, whose
+# composition the CPU runs only when forced).
+DOWN_BACKWARD = ["composition", "fused", "gathered"]
 
 
 @pytest.fixture(params=DOWN_BACKWARD)
