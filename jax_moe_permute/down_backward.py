@@ -19,10 +19,10 @@ kernel's cp.async gather) and w_out's weight gradient reads them as its gathered
 (gather_gemm.gathered_wgrad), and the [R, H] copy of ct (unpermute's backward) is never written.
 
 MOE_DOWN_BACKWARD (read when the layer is traced): "preferred" (the default) takes the gathered
-form in the layer where its kernel runs for fine-grained experts (F <= FINE_GRAINED_FFN, fewer than
-MAX_GROUP_ROWS rows a group: the rule of the first GEMM's gathered weight gradient; on an H100,
-Qwen3-30B-A3B's backward 6.8% faster at T = 16384 and 1.2% at T = 4096, Mixtral's 3% slower at
-T = 4096) and the composition elsewhere; "composition" differentiates the layer's plain tangent
+form in the layer where its kernel runs for fine-grained experts (gather_gemm.backward_gathers, the
+rule of the first GEMM's gathered weight gradient; on an H100, Qwen3-30B-A3B's backward 6.8%
+faster at T = 16384 and 1.2% at T = 4096, Mixtral's 3% slower at T = 4096) and the composition
+elsewhere; "composition" differentiates the layer's plain tangent
 (checkpointed: h and w * h recomputed); "fused" takes this primitive; "gathered" its gathered form
 wherever the layer runs.
 Derivatives of the tangent itself (second order), and vmapped ones, run the plain composition.
@@ -39,7 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _compat, _native, gemm_primitives
-from .gather_gemm import ACTIVATION_CODES, FINE_GRAINED_FFN, MAX_GROUP_ROWS
+from .gather_gemm import ACTIVATION_CODES, backward_gathers
 from .grouped_gemm import ragged_dot
 from .primitives import placeholder
 
@@ -59,8 +59,7 @@ def layer_gathers(x, gate_up, w_out, rows: int, activation: str) -> bool:
     if mode != "preferred":
         return mode == "gathered"
     G, F, _ = w_out.shape
-    fine_grained = F <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * G
-    return fine_grained and rows > 0 and kernel_fits(x, gate_up, w_out, activation, gathered=True)
+    return backward_gathers(rows, G, F) and rows > 0 and kernel_fits(x, gate_up, w_out, activation, gathered=True)
 
 
 def _activation(gate_up, activation):

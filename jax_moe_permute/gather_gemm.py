@@ -75,6 +75,13 @@ def forward_fuses(rows_per_group: float, ffn_size: int) -> bool:
     return rows_per_group < LONG_GROUP_ROWS or ffn_size <= FINE_GRAINED_FFN
 
 
+def backward_gathers(rows: int, groups: int, ffn_size: int) -> bool:
+    """The default rule for the layer's backward reading its operands through the row index (the
+    first GEMM's gathered weight gradient, the gathered second-GEMM backward): fine-grained experts
+    (F <= FINE_GRAINED_FFN) whose `groups` groups average fewer than MAX_GROUP_ROWS of the `rows`."""
+    return ffn_size <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * groups
+
+
 def layer_enabled(differentiated: bool, rows_per_group: float, ffn_size: int) -> bool:
     """Whether the layer may take the fused kernel in this pass (MOE_GATHER_GEMM), for groups of
     `rows_per_group` rows on average and experts of `ffn_size` columns (F)."""
@@ -230,8 +237,8 @@ def layer_gathers_wgrad(x, w_in, rows: int, activation: str) -> bool:
     mode = gemm_primitives.env_choice("MOE_GATHERED_WGRAD", GATHERED_WGRAD_MODES)
     if mode == "0" or not gathered_wgrad_kernel_fits(x, rows, x.shape[1], n, G):
         return False
-    fine_grained = ffn_size <= FINE_GRAINED_FFN and rows < MAX_GROUP_ROWS * G  # past the dW's long-group rule
-    return mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, G, preferred=fine_grained)
+    return mode == "1" or gemm_primitives.use_own_wgrad_kernel(1, rows, x.shape[1], n, G,
+                                                                preferred=backward_gathers(rows, G, ffn_size))
 
 
 def gathered_wgrad(lhs, row_token, rhs, group_sizes, *, gather_rhs: bool = False):
