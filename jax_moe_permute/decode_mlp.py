@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _compat, _native, gemm_primitives, ops
+from .batch_axis import bind_operands
 
 moe_mlp_decode_p = Primitive("jax_moe_permute_moe_mlp_decode")
 
@@ -67,7 +68,7 @@ def moe_mlp_decode(x, weights, ids, w_in, w_out, *, activation: str, layer=None,
         args.append(jnp.asarray(layer, jnp.int32).reshape(()))
     if residual is not None:
         args.append(residual)
-    return moe_mlp_decode_p.bind(*_compat.pvary_to_match(*args), activation=activation,
+    return moe_mlp_decode_p.bind(*bind_operands(*args, batched=False), activation=activation,
                                  with_residual=residual is not None)
 
 

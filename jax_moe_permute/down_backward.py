@@ -39,6 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _compat, _native, gemm_primitives
+from .batch_axis import bind_operands
 from .gather_gemm import ACTIVATION_CODES, backward_gathers
 from .grouped_gemm import ragged_dot
 from .primitives import placeholder
@@ -87,8 +88,8 @@ def down_tangent(activation, sizes, w_out, gate_up, d_gate_up, d_w_out, w=None, 
             gate_up, placeholder(2) if w is None else w, w_out, sizes.astype(jnp.int32),
             row_token.astype(jnp.int32) if gathered else jnp.zeros((0,), jnp.int32),
             row_map.astype(jnp.int32) if gathered else jnp.zeros((0, 1), jnp.int32))
-    return down_tangent_p.bind(*_compat.pvary_to_match(*args), activation=activation, live=live, weighted=weighted,
-                               out_dtype=jnp.dtype(out_dtype) if gathered else None)
+    return down_tangent_p.bind(*bind_operands(*args, batched=False), activation=activation, live=live,
+                               weighted=weighted, out_dtype=jnp.dtype(out_dtype) if gathered else None)
 
 
 def _tangent_composition(d_gate_up, d_w, d_w_out, gate_up, w, w_out, sizes, row_token, row_map, *, activation, live,
@@ -132,7 +133,7 @@ def down_vjp(ct, gate_up, w, w_out, sizes, row_token=None, *, activation, weight
     through row_token [R]; w [R, 1] float32 when weighted (any array otherwise)."""
     gathered = row_token is not None
     row_token = row_token.astype(jnp.int32) if gathered else jnp.zeros((0,), jnp.int32)
-    return down_vjp_p.bind(*_compat.pvary_to_match(ct, gate_up, w, w_out, sizes.astype(jnp.int32), row_token),
+    return down_vjp_p.bind(*bind_operands(ct, gate_up, w, w_out, sizes.astype(jnp.int32), row_token, batched=False),
                            activation=activation, weighted=weighted, gathered=gathered)
 
 

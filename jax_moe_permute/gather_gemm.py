@@ -28,6 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _compat, _native, gemm_primitives
+from .batch_axis import bind_operands
 from .grouped_gemm import ragged_dot
 
 gather_gemm_p = Primitive("jax_moe_permute_gather_gemm")
@@ -118,7 +119,8 @@ def gather_gemm(x, row_token, group_sizes, w, *, activation: str, save_pre: bool
     for name, a in (("row_token", row_token), ("group_sizes", group_sizes)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise TypeError(f"gather_gemm: {name} must be an integer array, got {a.dtype}")
-    args = _compat.pvary_to_match(x, row_token.astype(jnp.int32), group_sizes.astype(jnp.int32), w.astype(x.dtype))
+    args = bind_operands(x, row_token.astype(jnp.int32), group_sizes.astype(jnp.int32), w.astype(x.dtype),
+                         batched=False)
     out, pre = gather_gemm_p.bind(*args, activation=activation, save_pre=bool(save_pre))
     return out, (pre if save_pre else None)
 
@@ -245,8 +247,8 @@ def gathered_wgrad(lhs, row_token, rhs, group_sizes, *, gather_rhs: bool = False
     """[G, K, N]: lhs[rows of g]ᵀ · rhs[rows of g] for each group g, with the rows of lhs [T, K]
     (or, gather_rhs, of rhs [T, N]) read through row_token [M] (see above); the other operand has
     M rows."""
-    args = _compat.pvary_to_match(lhs, row_token.astype(jnp.int32), rhs.astype(lhs.dtype),
-                                  group_sizes.astype(jnp.int32))
+    args = bind_operands(lhs, row_token.astype(jnp.int32), rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32),
+                         batched=False)
     return gathered_wgrad_p.bind(*args, gather_rhs=bool(gather_rhs))
 
 

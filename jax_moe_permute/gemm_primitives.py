@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec
 
 from . import _compat, _native
-from .batch_axis import batch_extent, batcher, sum_to_batch
+from .batch_axis import batch_extent, batcher, bind_operands, on_explicit_mesh, resharded, sum_to_batch
 
 ragged_dot_p = Primitive("jax_moe_permute_ragged_dot")
 ragged_dot_wgrad_p = Primitive("jax_moe_permute_ragged_dot_wgrad")
@@ -60,38 +61,58 @@ def _ragged_dot_wgrad_abstract(lhs, rhs, group_sizes, *, out_dtype, precision):
 
 # ---- reference lowering (CPU, other GPUs, unsupported dtypes or shapes) ---------------------
 
-def _per_example(fn, args):
-    """Applies single-example `fn` over the leading batch axis, broadcasting extent-1 operands."""
-    B = max(a.shape[0] for a in args)
-    if B == 1:
-        return fn(*[a[0] for a in args])[None]
-    # jax.lax.ragged_dot's batching rule takes only operands batched along axis 0.
-    return jax.vmap(fn)(*[jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in args])
-
-
 def _common_dtype(a, b):
     """jax.lax's dots take one input dtype; a float32 cotangent meets bfloat16 weights in AD."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
     return a.astype(dtype), b.astype(dtype)
 
 
+# jax.lax.ragged_dot_general's dimension numbers, per example and over the leading batch axis (as
+# jax.vmap emits them): lhs [M, K] · rhs [G, K, N] -> [M, N]; the weight gradient lhs [M, K] ·
+# rhs [M, N] contracted along the ragged M -> [G, K, N], batched [G, B, K, N] (the group axis first).
+_FORWARD_DIMS = (jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]),
+    jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([2], [2]), ([0], [0])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[1]))
+_WGRAD_DIMS = (jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
+    jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([0], [0])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]))
+
+
+def _batched_ragged_dot(lhs, rhs, group_sizes, dims, example_ndim, batch_axis, *, out_dtype, precision):
+    """jax.lax.ragged_dot_general over the leading batch axis: one example's call for B = 1, else
+    one call over the batch (extent-1 operands broadcast; the result's batch axis at `batch_axis`,
+    moved to the front). On a mesh with Explicit axes its result's sharding must be named (ours,
+    `_compat.shaped_like`: the batch axis as the operands', no other) and the operands' batch axes
+    sharded alike."""
+    B = max(a.shape[0] for a in (lhs, rhs, group_sizes))
+    lhs, rhs = _common_dtype(lhs, rhs)
+    operands = [lhs, rhs, group_sizes]
+    sharding = next(jax.typeof(a).sharding for a in operands if a.shape[0] == B)
+    explicit = on_explicit_mesh(jax.typeof(lhs))
+    call = functools.partial(jax.lax.ragged_dot_general, precision=precision, preferred_element_type=out_dtype)
+    if B == 1:
+        out_sharding = sharding.update(spec=PartitionSpec(*(None,) * example_ndim)) if explicit else None
+        return call(*(a[0] for a in operands), dims[0], out_sharding=out_sharding)[None]
+    operands = [jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in operands]
+    out_sharding = None
+    if explicit:
+        lead = sharding.spec[0]
+        operands = [resharded(a, (lead,) + (None,) * (a.ndim - 1)) for a in operands]
+        spec = [None] * (example_ndim + 1)
+        spec[batch_axis] = lead
+        out_sharding = sharding.update(spec=PartitionSpec(*spec))
+    return jnp.moveaxis(call(*operands, dims[1], out_sharding=out_sharding), batch_axis, 0)
+
+
 def _ref_ragged_dot(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
-    def one(a, w, sizes):
-        a, w = _common_dtype(a, jnp.swapaxes(w, 1, 2) if rhs_transposed else w)
-        return jax.lax.ragged_dot(a, w, sizes, precision=precision, preferred_element_type=out_dtype)
-    return _per_example(one, [lhs, rhs, group_sizes])
-
-
-_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    rhs = jnp.swapaxes(rhs, 2, 3) if rhs_transposed else rhs
+    return _batched_ragged_dot(lhs, rhs, group_sizes, _FORWARD_DIMS, 2, 0, out_dtype=out_dtype, precision=precision)
 
 
 def _ref_ragged_dot_wgrad(lhs, rhs, group_sizes, *, out_dtype, precision):
-    def one(a, b, sizes):
-        a, b = _common_dtype(a, b)
-        return jax.lax.ragged_dot_general(a, b, sizes, _WGRAD_DIMS, precision=precision,
-                                          preferred_element_type=out_dtype)
-    return _per_example(one, [lhs, rhs, group_sizes])
+    return _batched_ragged_dot(lhs, rhs, group_sizes, _WGRAD_DIMS, 3, 1, out_dtype=out_dtype, precision=precision)
 
 
 _lower_ref_ragged_dot = mlir.lower_fun(_ref_ragged_dot, multiple_results=False)
@@ -228,9 +249,9 @@ def _bilinear_jvp(p):
         out = p.bind(*primals, **params)
         terms = []
         if type(d_lhs) is not ad.Zero:
-            terms.append(p.bind(*_compat.pvary_to_match(d_lhs, rhs, group_sizes), **params))
+            terms.append(p.bind(*bind_operands(d_lhs, rhs, group_sizes), **params))
         if type(d_rhs) is not ad.Zero:
-            terms.append(p.bind(*_compat.pvary_to_match(lhs, d_rhs, group_sizes), **params))
+            terms.append(p.bind(*bind_operands(lhs, d_rhs, group_sizes), **params))
         if not terms:
             return out, ad.Zero(core.ShapedArray(out.shape, out.dtype))
         return out, sum(terms[1:], terms[0])
@@ -243,13 +264,13 @@ def _dtype_of(x):
 
 
 def ragged_dot_bind(lhs, rhs, group_sizes, *, rhs_transposed, out_dtype, precision):
-    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes)
+    lhs, rhs, group_sizes = bind_operands(lhs, rhs, group_sizes)
     return ragged_dot_p.bind(lhs, rhs, group_sizes, rhs_transposed=bool(rhs_transposed),
                              out_dtype=jnp.dtype(out_dtype), precision=precision)
 
 
 def ragged_dot_wgrad_bind(lhs, rhs, group_sizes, *, out_dtype, precision):
-    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes)
+    lhs, rhs, group_sizes = bind_operands(lhs, rhs, group_sizes)
     return ragged_dot_wgrad_p.bind(lhs, rhs, group_sizes, out_dtype=jnp.dtype(out_dtype), precision=precision)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from .batch_axis import bind_operands, on_explicit_mesh, replicated
 from .gemm_primitives import kernels_available, ragged_dot_bind, ragged_dot_stacked_p
 
 __all__ = ["ragged_dot", "kernels_available", "TILES", "DECODE_TILE"]
@@ -72,12 +72,15 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes)
     if group_offset is not None or lhs.dtype != rhs.dtype or lhs.dtype not in _PRIMITIVE_DTYPES:
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                                  preferred_element_type=preferred_element_type, group_offset=group_offset)
+        out_sharding = None
+        if on_explicit_mesh(jax.typeof(lhs)):  # as our primitive: operands and result replicated
+            lhs, rhs, group_sizes = (replicated(a) for a in (lhs, rhs, group_sizes))
+            out_sharding = jax.typeof(lhs).sharding.update(spec=jax.sharding.PartitionSpec(None, None))
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type,
+                                  group_offset=group_offset, out_sharding=out_sharding)
     out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
-    lhs, rhs, group_sizes = _compat.pvary_to_match(lhs, rhs, group_sizes.astype(jnp.int32))
-    out = ragged_dot_bind(lhs[None], rhs[None], group_sizes[None], rhs_transposed=False, out_dtype=out_dtype,
-                          precision=_hashable(precision))
+    out = ragged_dot_bind(lhs[None], rhs[None], group_sizes.astype(jnp.int32)[None], rhs_transposed=False,
+                          out_dtype=out_dtype, precision=_hashable(precision))
     return out[0]
 
 
@@ -85,9 +88,9 @@ def ragged_dot_stacked(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, l
     """`ragged_dot(lhs, rhs[layer], group_sizes)` for rhs [NL, G, K, N] stacked over a model's
     layers and an int32 scalar layer: on sm_90 the kernel reads the layer on the device
     (gemm_primitives.ragged_dot_stacked_p); inputs of one dtype, output in it."""
-    lhs, rhs, group_sizes, layer = _compat.pvary_to_match(lhs, rhs, group_sizes.astype(jnp.int32),
-                                                          jnp.asarray(layer, jnp.int32).reshape(()))
-    return ragged_dot_stacked_p.bind(lhs[None], rhs, group_sizes[None], layer)[0]
+    operands = bind_operands(lhs[None], rhs, group_sizes.astype(jnp.int32)[None],
+                             jnp.asarray(layer, jnp.int32).reshape(()), batched=(True, False, True, False))
+    return ragged_dot_stacked_p.bind(*operands)[0]
 
 
 def _hashable(precision):

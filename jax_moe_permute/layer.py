@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import decode_mlp, down_backward, gather_gemm, ops, primitives
+from .batch_axis import sharded_like
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -206,13 +207,17 @@ def moe_mlp(
                              f"got {getattr(a, 'shape', type(a))}")
     if weights.shape != ids.shape:
         raise ValueError(f"moe_mlp: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must have equal shapes")
+    ops.check_float(x, "x", "moe_mlp", ops.WEIGHT_DTYPES)  # the matmuls' dtype: float32, bfloat16, float16
+    ops.check_float(weights, "weights", "moe_mlp", ops.WEIGHT_DTYPES)
+    ops.check_int(ids, "ids", "moe_mlp")
     if residual is not None:
         want = (x.shape[0], w_out.shape[-1])
         if not hasattr(residual, "shape") or tuple(residual.shape) != want or residual.dtype != x.dtype:
             raise ValueError(f"moe_mlp: residual must have shape {want} and x's dtype {x.dtype}, got "
                              f"{getattr(residual, 'shape', type(residual))} {getattr(residual, 'dtype', '')}")
-    return _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer, residual,
-                           activation, num_experts, num_local_experts)
+    out = _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer, residual,
+                          activation, num_experts, num_local_experts)
+    return sharded_like(out, x)
 
 
 # What the backward keeps (the saved-residuals policy). A dense SwiGLU MLP under autodiff keeps
@@ -371,10 +376,6 @@ def check_module_args(where, hidden_size, ffn_size, num_experts, top_k, activati
     if mesh is not None:
         if expert_axis not in mesh.shape:
             raise ValueError(f"{where}: expert_axis {expert_axis!r} is not an axis of mesh {dict(mesh.shape)}")
-        if dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit:
-            # shard_map would not reshard the tokens and weights onto an Explicit axis
-            raise ValueError(f"{where}: expert_axis {expert_axis!r} must be an Auto mesh axis, e.g. "
-                             "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
         if num_experts % mesh.shape[expert_axis]:
             raise ValueError(f"{where}: num_experts ({num_experts}) must be divisible by the size of expert_axis "
                              f"{expert_axis!r} ({mesh.shape[expert_axis]})")
@@ -403,7 +404,13 @@ def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, me
     tokens, experts = P(expert_axis, None), P(expert_axis, None, None)
     specs = (tokens, tokens, tokens, experts, experts)
     args = (x, weights, ids, w_in, w_out)
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit
+    reshard = lambda a, spec: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    if explicit:  # shard_map takes operands on Explicit axes only as its in_specs split them
+        args = tuple(reshard(a, spec) for a, spec in zip(args, specs))
     out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
+    if explicit and pad:  # the padding rows go from a replicated result: an uneven split has no slice
+        out = reshard(out, P(None, None))
     return out[:T]
 
 

@@ -29,12 +29,12 @@ def _check_array(x, name: str, op: str, ndim: int, shape_doc: str):
         raise ValueError(f"{op}: {name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
 
 
-def _check_float(x, name: str, op: str, dtypes):
+def check_float(x, name: str, op: str, dtypes):
     if jnp.dtype(x.dtype) not in dtypes:
         raise TypeError(f"{op}: {name} has dtype {jnp.dtype(x.dtype).name}; supported dtypes: {_names(dtypes)}")
 
 
-def _check_int(x, name: str, op: str):
+def check_int(x, name: str, op: str):
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{op}: {name} must have an integer dtype, got {jnp.dtype(x.dtype).name}")
 
@@ -102,8 +102,8 @@ def moe_permute(
     op = "moe_permute"
     _check_array(hidden, "hidden", op, 2, "[T, H]")
     _check_array(topk_ids, "topk_ids", op, 2, "[T, K]")
-    _check_float(hidden, "hidden", op, HIDDEN_DTYPES)
-    _check_int(topk_ids, "topk_ids", op)
+    check_float(hidden, "hidden", op, HIDDEN_DTYPES)
+    check_int(topk_ids, "topk_ids", op)
     num_experts = static_int(num_experts, "num_experts", op)
     align_size = static_int(align_size, "align_size", op)
     if expert_map is None:
@@ -116,7 +116,7 @@ def moe_permute(
             raise ValueError(f"{op}: num_local_experts is required when expert_map is given")
         num_local = static_int(num_local_experts, "num_local_experts", op)
         _check_array(expert_map, "expert_map", op, 1, f"({num_experts},)")
-        _check_int(expert_map, "expert_map", op)
+        check_int(expert_map, "expert_map", op)
         map_operand = to_int32(expert_map)[None]
     rows, group_sizes, row_map = primitives.permute(
         jnp.asarray(hidden)[None], to_int32(topk_ids)[None], map_operand, num_experts=num_experts,
@@ -149,11 +149,11 @@ def moe_unpermute(
     op = "moe_unpermute"
     _check_array(expert_out, "expert_out", op, 2, "[R, H]")
     _check_array(row_map, "row_map", op, 2, "[T, K]")
-    _check_float(expert_out, "expert_out", op, HIDDEN_DTYPES)
-    _check_int(row_map, "row_map", op)
+    check_float(expert_out, "expert_out", op, HIDDEN_DTYPES)
+    check_int(row_map, "row_map", op)
     if topk_weights is not None:
         _check_array(topk_weights, "topk_weights", op, 2, "[T, K]")
-        _check_float(topk_weights, "topk_weights", op, WEIGHT_DTYPES)
+        check_float(topk_weights, "topk_weights", op, WEIGHT_DTYPES)
         weights = jnp.asarray(topk_weights)[None]
     else:
         weights = primitives.placeholder(3)

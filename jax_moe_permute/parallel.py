@@ -72,9 +72,9 @@ def moe_ep(
     ops._check_array(hidden, "hidden", op, 2, "[T, H]")
     ops._check_array(topk_ids, "topk_ids", op, 2, "[T, K]")
     ops._check_array(topk_weights, "topk_weights", op, 2, "[T, K]")
-    ops._check_float(hidden, "hidden", op, ops.HIDDEN_DTYPES)
-    ops._check_int(topk_ids, "topk_ids", op)
-    ops._check_float(topk_weights, "topk_weights", op, ops.WEIGHT_DTYPES)
+    ops.check_float(hidden, "hidden", op, ops.HIDDEN_DTYPES)
+    ops.check_int(topk_ids, "topk_ids", op)
+    ops.check_float(topk_weights, "topk_weights", op, ops.WEIGHT_DTYPES)
     if topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{op}: hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must be [T, H], [T, K], [T, K]")

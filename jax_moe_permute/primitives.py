@@ -33,8 +33,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _native, lowering, shapes
-from .batch_axis import batch_extent, batcher, sum_to_batch
-from ._compat import pvary_to_match, require_devices_at_lowering
+from .batch_axis import batch_extent, batcher, bind_operands, sum_to_batch
+from ._compat import require_devices_at_lowering
 
 # Dtypes the kernels write; the ops cast float8 outputs from float32 afterwards.
 KERNEL_OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -71,12 +71,12 @@ def _kernel_dtype(dtype):
 
 
 def permute(hidden, ids, expert_map, *, num_experts, num_local_experts, align_size, has_map):
-    return permute_p.bind(*pvary_to_match(hidden, ids, expert_map), num_experts=num_experts,
+    return permute_p.bind(*bind_operands(hidden, ids, expert_map), num_experts=num_experts,
                           num_local_experts=num_local_experts, align_size=align_size, has_map=has_map)
 
 
 def unpermute(x, row_map, weights, out_dtype, *, has_weights):
-    out = unpermute_p.bind(*pvary_to_match(x, row_map, weights), out_dtype=_kernel_dtype(out_dtype),
+    out = unpermute_p.bind(*bind_operands(x, row_map, weights), out_dtype=_kernel_dtype(out_dtype),
                            has_weights=has_weights)
     return out.astype(out_dtype)
 
@@ -84,21 +84,21 @@ def unpermute(x, row_map, weights, out_dtype, *, has_weights):
 def unpermute_add(x, row_map, weights, residual, *, has_weights):
     """residual + unpermute(x, row_map, weights) in residual's dtype (a kernel output dtype), the
     unpermute rounded to it before the add: bit for bit the add after the op."""
-    return unpermute_add_p.bind(*pvary_to_match(x, row_map, weights, residual), has_weights=has_weights)
+    return unpermute_add_p.bind(*bind_operands(x, row_map, weights, residual), has_weights=has_weights)
 
 
 def scatter(x, row_map, weights, num_rows, out_dtype, *, has_weights):
-    out = scatter_p.bind(*pvary_to_match(x, row_map, weights), num_rows=num_rows,
+    out = scatter_p.bind(*bind_operands(x, row_map, weights), num_rows=num_rows,
                          out_dtype=_kernel_dtype(out_dtype), has_weights=has_weights)
     return out.astype(out_dtype)
 
 
 def weight_grad(c, x, row_map, out_dtype):
-    return weight_grad_p.bind(*pvary_to_match(c, x, row_map), out_dtype=_kernel_dtype(out_dtype)).astype(out_dtype)
+    return weight_grad_p.bind(*bind_operands(c, x, row_map), out_dtype=_kernel_dtype(out_dtype)).astype(out_dtype)
 
 
 def unpermute_bwd(c, x, row_map, weights, x_out_dtype, w_out_dtype):
-    ct_x, ct_w = unpermute_bwd_p.bind(*pvary_to_match(c, x, row_map, weights),
+    ct_x, ct_w = unpermute_bwd_p.bind(*bind_operands(c, x, row_map, weights),
                                       x_out_dtype=_kernel_dtype(x_out_dtype), w_out_dtype=_kernel_dtype(w_out_dtype))
     return ct_x.astype(x_out_dtype), ct_w.astype(w_out_dtype)
 

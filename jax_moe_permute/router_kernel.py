@@ -30,9 +30,11 @@ import numpy as np
 from jax import core
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec
 
 from . import _native, gemm_primitives, reference
-from ._compat import lowers_for_many_devices, pvary_to_match, require_devices_at_lowering, shaped_like
+from ._compat import lowers_for_many_devices, require_devices_at_lowering, shaped_like
+from .batch_axis import bind_operands, on_explicit_mesh
 from .lowering import _batch_partitioned
 from .ops import layer_weights
 
@@ -58,7 +60,7 @@ def router(logits, bias, top_k: int, *, scoring: str, renormalize: bool, num_gro
     has_bias = bias is not None
     bias = (jax.lax.stop_gradient(bias).astype(jnp.float32).reshape(1, E) if has_bias
             else jnp.zeros((1, 1), jnp.float32))
-    weights, ids = router_p.bind(*pvary_to_match(logits, bias), top_k=int(top_k), scoring=scoring,
+    weights, ids = router_p.bind(*bind_operands(logits, bias), top_k=int(top_k), scoring=scoring,
                                  renormalize=bool(renormalize), num_groups=int(num_groups or 0),
                                  topk_groups=int(topk_groups or 0), scale=float(routed_scaling_factor),
                                  has_bias=has_bias)
@@ -160,7 +162,12 @@ def router_logits(x, router):
     float32 precision."""
     full = jnp.dtype(x.dtype) == jnp.float32
     precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision)
+    out_sharding = None
+    aval = jax.typeof(x)
+    if on_explicit_mesh(aval):  # sharded tokens stay sharded; a sharded H is summed over
+        out_sharding = aval.sharding.update(spec=PartitionSpec(aval.sharding.spec[0], None))
+    return jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32, precision=precision,
+                   out_sharding=out_sharding)
 
 
 # ---- moe_router_hidden: the product and the choice in one launch ------------------------------
@@ -219,10 +226,11 @@ def router_hidden(x, router, bias, top_k: int, *, scoring: str, renormalize: boo
         bias = (jax.lax.stop_gradient(bias).astype(jnp.float32) if has_bias
                 else jnp.zeros((1, 1), jnp.float32))
         layer = jnp.asarray(layer, jnp.int32).reshape(())
-        return router_hidden_stacked_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias, layer), **params)
+        return router_hidden_stacked_p.bind(*bind_operands(x, router.astype(x.dtype), bias, layer, batched=False),
+                                            **params)
     bias = (jax.lax.stop_gradient(bias).astype(jnp.float32).reshape(1, E) if has_bias
             else jnp.zeros((1, 1), jnp.float32))
-    return router_hidden_p.bind(*pvary_to_match(x, router.astype(x.dtype), bias), **params)
+    return router_hidden_p.bind(*bind_operands(x, router.astype(x.dtype), bias, batched=False), **params)
 
 
 def _hidden_abstract(x, router, bias, **params):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference, router_kernel
+from .batch_axis import replicated
 from .ops import check_layer, layer_weights, static_int
 from .token_rounding import TokenRounding, check_token_rounding, round_routing
 
@@ -240,7 +241,7 @@ def _aux(logits, ids, scoring: str) -> RouterAux:
     logits = logits.astype(jnp.float32)
     scores = reference.router_scores(logits, scoring)
     probs = scores if scoring == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-    counts = jnp.zeros(E, jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(1, mode="drop")
+    counts = jnp.zeros(E, jnp.int32).at[replicated(jnp.where(ids < 0, E, ids)).reshape(-1)].add(1, mode="drop")
     tokens = max(T, 1)  # T = 0: zero losses rather than 0/0
     fraction = jax.lax.stop_gradient(counts.astype(jnp.float32)) / tokens
     mean_prob = jnp.sum(probs, axis=0) / tokens

@@ -219,6 +219,12 @@ def test_bad_arguments():
         jmp.moe_mlp(x, w, ids, w_in, w_out, expert_map=jnp.zeros(8, jnp.int32))
     with pytest.raises(ValueError, match="x"):
         jmp.moe_mlp(x[0], w, ids, w_in, w_out)
+    with pytest.raises(TypeError, match="moe_mlp: x has dtype int32"):
+        jmp.moe_mlp(x.astype(jnp.int32), w, ids, w_in, w_out)
+    with pytest.raises(TypeError, match="moe_mlp: weights has dtype int32"):
+        jmp.moe_mlp(x, w.astype(jnp.int32), ids, w_in, w_out)
+    with pytest.raises(TypeError, match="moe_mlp: ids must have an integer dtype"):
+        jmp.moe_mlp(x, w, ids.astype(jnp.float32), w_in, w_out)
 
 
 def test_package_import_leaves_flax_out():

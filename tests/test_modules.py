@@ -242,6 +242,32 @@ def test_nnx_scan_and_remat_over_layers():
     assert all(bool(jnp.all(jnp.isfinite(v[...]))) for _, v in nnx.to_flat_state(g))
 
 
+def test_linen_scan_and_remat_over_layers():
+    """nn.scan of nn.remat over Linen layers (the boxed parameters' new axis named, docs/layer.md):
+    equals the loop over the stacked parameters, and the gradient is finite."""
+    layers = 3
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + jmp_linen.MoE(H, F, E, K)(x), None
+
+    stack = nn.scan(nn.remat(Block), variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                    length=layers, metadata_params={nn.PARTITION_NAME: "layers"})()
+    x = random_float((6, H), jnp.float32)
+    variables = stack.init(jax.random.PRNGKey(0), x, None)
+    assert nn.get_partition_spec(variables)["params"]["MoE_0"]["w_in"] == jax.sharding.PartitionSpec(
+        "layers", None, None, None)
+    y = jax.jit(stack.apply)(variables, x, None)[0]
+    params = nn.unbox(variables)["params"]["MoE_0"]
+    expected = x
+    for i in range(layers):
+        expected = expected + reference({k: v[i] for k, v in params.items()}, expected, {})
+    close(y, expected, 1e-4)
+    g = jax.jit(jax.grad(lambda v: stack.apply(v, x, None)[0].sum()))(variables)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 def test_linen_matches_nnx(name):
     kw = CONFIGS[name]
@@ -290,7 +316,9 @@ EP_SCRIPT = textwrap.dedent("""
     import flax.linen as nn
     from jax_moe_permute import nnx as jmp_nnx, linen as jmp_linen
     assert len(jax.devices()) == 4
-    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.AXIS_TYPE,))
+    if mesh.axis_types[0] == jax.sharding.AxisType.Explicit:
+        jax.set_mesh(mesh)  # explicit sharding's context: jax requires it for eager ops on sharded arrays
     kw = dict(scoring="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5, num_shared_experts=1)
     out = {}
     ep = jmp_nnx.MoE(16, 12, 8, 2, rngs=nnx.Rngs(0), mesh=mesh, expert_axis="expert", **kw)
@@ -316,11 +344,12 @@ EP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def ep_result():
+@pytest.fixture(scope="module", params=["Auto", "Explicit"])
+def ep_result(request):
     pytest.importorskip("jax_moe_permute.parallel", reason="needs jax_moe_permute.parallel")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", EP_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+    script = EP_SCRIPT.replace("AXIS_TYPE", request.param)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
