@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
+from .batch_axis import replicated, sharded_like
 from .ops import static_int
 
 MODES = ("nearest", "up", "down")
@@ -81,6 +82,8 @@ def round_routing(logits, weights, ids, rounding: TokenRounding, *, scoring: str
     extra = check_token_rounding(rounding, K)
     if T == 0:
         return (jnp.zeros((0, K + extra), jnp.float32), jnp.zeros((0, K + extra), jnp.int32))
+    like = logits  # on an Explicit mesh: a sort along the tokens takes them unsplit, the results split back
+    logits, weights, ids = (replicated(a) for a in (logits, weights, ids))
     scores = reference.router_scores(logits.astype(jnp.float32), scoring)
     order_scores = jax.lax.stop_gradient(scores)
     chosen = jnp.any(ids[:, :, None] == jnp.arange(E, dtype=ids.dtype), axis=1)  # [T, E]
@@ -114,4 +117,5 @@ def round_routing(logits, weights, ids, rounding: TokenRounding, *, scoring: str
         extra_w = extra_w * jnp.float32(routed_scaling_factor)
         out_ids.append(jnp.where(live, extra_ids.astype(jnp.int32), -1))
         out_weights.append(jnp.where(live, extra_w, 0.0))
-    return jnp.concatenate(out_weights, axis=1), jnp.concatenate(out_ids, axis=1)
+    return (sharded_like(jnp.concatenate(out_weights, axis=1), like),
+            sharded_like(jnp.concatenate(out_ids, axis=1), like))

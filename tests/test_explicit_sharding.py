@@ -53,6 +53,9 @@ PROGRAM = textwrap.dedent("""
     gemm_args = (rows, w_in, batch)
     want_gemm = jax.jit(gemms)(*gemm_args)
     want_mixed = jax.jit(mixed)(rows, w_in)
+    rounding = jax.jit(lambda logits: jmp.route(logits, K, token_rounding=jmp.TokenRounding(tile=4))[:2])
+    logits = x @ router
+    want_rounding = rounding(logits)
     want_gemm_grad = jax.jit(jax.grad(gemm_loss, argnums=(0, 1, 2)))(*gemm_args)
 
     def close(got, want, tol):
@@ -86,6 +89,10 @@ PROGRAM = textwrap.dedent("""
         close(grads, want_gemm_grad, 1e-4)
         print("gemm grads like primals", specs(grads) == specs(sharded))
 
+        got = rounding(put(logits, P("d")))
+        close(got, want_rounding, 1e-6)
+        print("rounding like logits", specs(got) == [("d", None)] * 2)
+
         from flax import nnx
         from jax_moe_permute.nnx import MoE
         moe = MoE(H, F, E, K, rngs=nnx.Rngs(0))
@@ -106,5 +113,6 @@ def test_explicit_axes():
     for name in ("tokens", "experts", "hidden"):
         assert f"{name} output like x True" in lines, lines
         assert f"{name} grads like primals True" in lines, lines
-    for line in ("gemm specs True", "mixed specs True", "gemm grads like primals True", "nnx output like x True"):
+    for line in ("gemm specs True", "mixed specs True", "gemm grads like primals True", "rounding like logits True",
+                 "nnx output like x True"):
         assert line in lines, lines
