@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
-from jax.sharding import AxisType, PartitionSpec
 
 from ._compat import pvary_to_match
+from .explicit_sharding import resharded, sharded_explicitly
 
 
 def batch_extent(*avals) -> int:
@@ -36,7 +36,7 @@ def bind_operands(*xs, batched=True):
     (`_compat.shaped_like`). Without explicit axes nothing changes."""
     xs = pvary_to_match(*xs)
     avals = [jax.typeof(x) for x in xs]
-    if not any(_sharded_explicitly(a) for a in avals):
+    if not any(sharded_explicitly(a) for a in avals):
         return xs
     flags = [batched] * len(xs) if isinstance(batched, bool) else list(batched)
     flags = [f and a.ndim > 0 for f, a in zip(flags, avals)]
@@ -44,42 +44,6 @@ def bind_operands(*xs, batched=True):
     lead = next((a.sharding.spec[0] for a, f in zip(avals, flags) if f and a.shape[0] == full), None)
     return tuple(resharded(x, (lead if f and a.shape[0] == full else None,) + (None,) * (a.ndim - 1) if a.ndim else ())
                  for x, a, f in zip(xs, avals, flags))
-
-
-def replicated(x):
-    """x, replicated first where it is sharded along Explicit mesh axes (for jnp code whose
-    output sharding jax cannot infer, such as a scatter indexed by a sharded array)."""
-    aval = jax.typeof(x)
-    return resharded(x, (None,) * aval.ndim) if _sharded_explicitly(aval) else x
-
-
-def sharded_like(out, x):
-    """A token-wise result `out` [T, ...] in the sharding of its input x [T, ...] on a mesh with
-    Explicit axes (our calls return it replicated there); the trailing axes keep x's sharding where
-    their extents agree. Elsewhere `out` as it is."""
-    a, b = jax.typeof(out), jax.typeof(x)
-    if not on_explicit_mesh(b) or a.ndim != b.ndim:
-        return out
-    return resharded(out, [s if i == 0 or a.shape[i] == b.shape[i] else None for i, s in enumerate(b.sharding.spec)])
-
-
-def resharded(x, spec):
-    """x with PartitionSpec(*spec) on its own (explicit) mesh: `jax.sharding.reshard` where it differs."""
-    sharding = jax.typeof(x).sharding
-    if tuple(sharding.spec) == tuple(spec):
-        return x
-    return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec(*spec)))
-
-
-def on_explicit_mesh(aval) -> bool:
-    """Whether `aval` lives on a mesh with Explicit axes (its sharding is part of its type)."""
-    sharding = getattr(aval, "sharding", None)
-    return any(t == AxisType.Explicit for t in getattr(getattr(sharding, "mesh", None), "axis_types", ()))
-
-
-def _sharded_explicitly(aval) -> bool:
-    """Whether `aval` is sharded along an axis of such a mesh."""
-    return on_explicit_mesh(aval) and any(s is not None for s in aval.sharding.spec)
 
 
 def fold_vmap_axis(args, dims):

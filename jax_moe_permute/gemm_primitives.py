@@ -35,7 +35,8 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 from . import _compat, _native
-from .batch_axis import batch_extent, batcher, bind_operands, on_explicit_mesh, resharded, sum_to_batch
+from .batch_axis import batch_extent, batcher, bind_operands, sum_to_batch
+from .explicit_sharding import on_explicit_mesh, resharded
 
 ragged_dot_p = Primitive("jax_moe_permute_ragged_dot")
 ragged_dot_wgrad_p = Primitive("jax_moe_permute_ragged_dot_wgrad")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .batch_axis import bind_operands, on_explicit_mesh, replicated
+from .batch_axis import bind_operands
+from .explicit_sharding import on_explicit_mesh, replicated
 from .gemm_primitives import kernels_available, ragged_dot_bind, ragged_dot_stacked_p
 
 __all__ = ["ragged_dot", "kernels_available", "TILES", "DECODE_TILE"]

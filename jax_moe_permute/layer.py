@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import decode_mlp, down_backward, gather_gemm, ops, primitives
-from .batch_axis import sharded_like
+from .explicit_sharding import over_token_shards, sharded_like
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -177,7 +177,9 @@ def moe_mlp(
         launch, the other paths in the unpermute's (moe_unpermute's `residual`), which saves
         the add's own launch in a decode step.
 
-    Returns [T, H'] in x's dtype (the weighted sum accumulates in float32).
+    Returns [T, H'] in x's dtype (the weighted sum accumulates in float32). On a mesh with
+    Explicit axes it has x's sharding, and with x's tokens split each device computes its own
+    (data parallel: the weights replicated, their gradients summed over the devices).
     """
     if not hasattr(x, "shape") or x.ndim != 2:
         raise ValueError(f"moe_mlp: x must have shape [T, H], got {getattr(x, 'shape', type(x))}")
@@ -215,8 +217,11 @@ def moe_mlp(
         if not hasattr(residual, "shape") or tuple(residual.shape) != want or residual.dtype != x.dtype:
             raise ValueError(f"moe_mlp: residual must have shape {want} and x's dtype {x.dtype}, got "
                              f"{getattr(residual, 'shape', type(residual))} {getattr(residual, 'dtype', '')}")
-    out = _routed_experts(x, weights, ids, w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer, residual,
-                          activation, num_experts, num_local_experts)
+    # Tokens split over Explicit mesh axes: each device runs the layer on its own (data parallel).
+    routed = lambda x, weights, ids, residual, w_in, w_out, expert_map, layer: _routed_experts(
+        x, weights, ids, w_in, w_out, expert_map, layer, residual, activation, num_experts, num_local_experts)
+    out = over_token_shards(routed, (x, weights, ids, residual),
+                            (w_in.astype(x.dtype), w_out.astype(x.dtype), expert_map, layer))
     return sharded_like(out, x)
 
 
@@ -405,7 +410,7 @@ def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, me
     specs = (tokens, tokens, tokens, experts, experts)
     args = (x, weights, ids, w_in, w_out)
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit
-    reshard = lambda a, spec: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    reshard = lambda a, spec: jax.reshard(a, jax.sharding.NamedSharding(mesh, spec))
     if explicit:  # shard_map takes operands on Explicit axes only as its in_specs split them
         args = tuple(reshard(a, spec) for a, spec in zip(args, specs))
     out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec
 
 from . import _native, gemm_primitives, reference
 from ._compat import lowers_for_many_devices, require_devices_at_lowering, shaped_like
-from .batch_axis import bind_operands, on_explicit_mesh
+from .batch_axis import bind_operands
+from .explicit_sharding import on_explicit_mesh
 from .lowering import _batch_partitioned
 from .ops import layer_weights
 

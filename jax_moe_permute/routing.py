@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference, router_kernel
-from .batch_axis import replicated
+from .explicit_sharding import replicated
 from .ops import check_layer, layer_weights, static_int
 from .token_rounding import TokenRounding, check_token_rounding, round_routing
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from .batch_axis import replicated, sharded_like
+from .explicit_sharding import replicated, sharded_like
 from .ops import static_int
 
 MODES = ("nearest", "up", "down")

@@ -1,7 +1,8 @@
 """Explicit sharding (sharding in types; `jax.make_mesh`'s default axis type): every public op
 runs on arrays sharded along Explicit mesh axes, gives the single-device values, returns its
 batch axis (vmap's) as sharded as its operands' and every other axis replicated (moe_mlp: in
-x's sharding), and derivatives come back in their primals' shardings. Runs on 4 CPU devices in
+x's sharding, and with the tokens split it runs data parallel), and derivatives come back in
+their primals' shardings. Runs on 4 CPU devices in
 a subprocess, since the device count is fixed when jax starts."""
 
 import os
@@ -65,6 +66,15 @@ PROGRAM = textwrap.dedent("""
     def specs(tree):
         return [tuple(jax.typeof(a).sharding.spec) for a in jax.tree.leaves(tree)]
 
+    def collectives(fn, *args):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        return sorted({c for c in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+                       if c in text})
+
+    r = jmp.route_tokens(x, router, K)
+    mlp = lambda x, weights, ids, w_in, w_out: jmp.moe_mlp(x, weights, ids, w_in, w_out)
+    mlp_loss = lambda *args: jnp.sum(mlp(*args) ** 2)
+
     with jax.set_mesh(mesh):
         put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
         cases = {"tokens": (put(x, P("d")), router, w_in, w_out),
@@ -77,6 +87,13 @@ PROGRAM = textwrap.dedent("""
             grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*sharded)
             close(grads, want_grad, 1e-4)
             print(name, "grads like primals", specs(grads) == specs(sharded))
+
+        # Tokens split, weights replicated: data parallel, each device its own tokens; the weight
+        # gradients summed over the devices.
+        routed = [put(a, P("d")) for a in (x, r.weights, r.ids)]
+        close(jax.jit(mlp)(*routed, w_in, w_out), want[0], 1e-5)
+        print("data parallel forward", collectives(mlp, *routed, w_in, w_out))
+        print("data parallel backward", collectives(jax.grad(mlp_loss, argnums=(0, 3, 4)), *routed, w_in, w_out))
 
         sharded = (put(rows, P("d")), put(w_in, P("d")), put(batch, P("d")))
         got = jax.jit(gemms)(*sharded)
@@ -113,6 +130,8 @@ def test_explicit_axes():
     for name in ("tokens", "experts", "hidden"):
         assert f"{name} output like x True" in lines, lines
         assert f"{name} grads like primals True" in lines, lines
+    assert "data parallel forward []" in lines, lines
+    assert "data parallel backward ['all-reduce']" in lines, lines
     for line in ("gemm specs True", "mixed specs True", "gemm grads like primals True", "rounding like logits True",
                  "nnx output like x True"):
         assert line in lines, lines
