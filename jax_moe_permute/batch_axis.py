@@ -42,8 +42,10 @@ def bind_operands(*xs, batched=True):
     flags = [f and a.ndim > 0 for f, a in zip(flags, avals)]
     full = max((a.shape[0] for a, f in zip(avals, flags) if f), default=0)
     lead = next((a.sharding.spec[0] for a, f in zip(avals, flags) if f and a.shape[0] == full), None)
-    return tuple(resharded(x, (lead if f and a.shape[0] == full else None,) + (None,) * (a.ndim - 1) if a.ndim else ())
-                 for x, a, f in zip(xs, avals, flags))
+    like = next(a.sharding for a in avals if sharded_explicitly(a))
+    specs = [((lead if f and a.shape[0] == full else None,) + (None,) * (a.ndim - 1)) if a.ndim else ()
+             for a, f in zip(avals, flags)]
+    return tuple(resharded(x, spec, like) for x, spec in zip(xs, specs))
 
 
 def fold_vmap_axis(args, dims):

@@ -24,8 +24,8 @@ def over_token_shards(fn: Callable, per_token: Sequence, shared: Sequence):
     if split is None:
         return fn(*per_token, *shared)
     token_spec = lambda a: (split,) + (None,) * (a.ndim - 1)
-    args = [a if a is None else resharded(a, token_spec(a)) for a in per_token]
-    args += [a if a is None else resharded(a, (None,) * a.ndim) for a in shared]
+    args = [a if a is None else resharded(a, token_spec(a), aval.sharding) for a in per_token]
+    args += [a if a is None else resharded(a, (None,) * a.ndim, aval.sharding) for a in shared]
     live = [i for i, a in enumerate(args) if a is not None]
 
     def local(*arrays):
@@ -58,12 +58,13 @@ def sharded_like(out, x):
     return resharded(out, [s if i == 0 or a.shape[i] == b.shape[i] else None for i, s in enumerate(b.sharding.spec)])
 
 
-def resharded(x, spec):
-    """x with PartitionSpec(*spec) on its own (explicit) mesh: `jax.reshard` where it differs."""
+def resharded(x, spec, like=None):
+    """x with PartitionSpec(*spec) on the mesh of `like` (a sharding; default x's own, which is
+    empty for an array made outside the mesh): `jax.reshard` where it differs."""
     sharding = jax.typeof(x).sharding
     if tuple(sharding.spec) == tuple(spec):
         return x
-    return jax.reshard(x, sharding.update(spec=PartitionSpec(*spec)))
+    return jax.reshard(x, (like or sharding).update(spec=PartitionSpec(*spec)))
 
 
 def on_explicit_mesh(aval) -> bool:

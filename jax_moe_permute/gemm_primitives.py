@@ -100,7 +100,7 @@ def _batched_ragged_dot(lhs, rhs, group_sizes, dims, example_ndim, batch_axis, *
     out_sharding = None
     if explicit:
         lead = sharding.spec[0]
-        operands = [resharded(a, (lead,) + (None,) * (a.ndim - 1)) for a in operands]
+        operands = [resharded(a, (lead,) + (None,) * (a.ndim - 1), sharding) for a in operands]
         spec = [None] * (example_ndim + 1)
         spec[batch_axis] = lead
         out_sharding = sharding.update(spec=PartitionSpec(*spec))
