@@ -31,8 +31,12 @@ def check_rows(rows, devices):
             assert r["link_TBps"] > 0
             assert r["link_us"] == pytest.approx(r["sent_bytes"] / r["link_TBps"] / 1e6)
     if devices > 1:
-        gather = rows[0]
-        assert gather["sent_bytes"] == (devices - 1) * 16 * (2 * H * 2 + K * 8)
+        gather, data_parallel = rows[0], rows[2]
+        assert gather["sent_bytes"] == gather["sent_bwd_bytes"] == (devices - 1) * 16 * (2 * H * 2 + K * 8)
+        assert data_parallel["sent_bwd_bytes"] == 2 * (devices - 1) * 3 * E * H * F * 2 // devices
+        for r in rows:
+            assert r["link_share_fwd_bwd"] == pytest.approx(
+                (r["sent_bytes"] + r["sent_bwd_bytes"]) / r["link_TBps"] / 1e6 / r["fwd_bwd_us"])
 
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD_ENV)), reason="already inside a multi-device run")
@@ -60,6 +64,14 @@ def test_ragged_bytes_count_the_entries_leaving_each_device():
     D, E, H = 2, 4, 8  # device 0 holds experts 0, 1; device 1 holds 2, 3
     ids = np.array([[0, 2], [3, 1], [-1, 4],    # device 0's tokens: 2 entries leave (ids 2, 3); -1, 4 are dropped
                     [2, 0], [3, 2], [1, 0]])    # device 1's: 3 leave (0, 0, 1)
-    sent = bench_ep.sent_bytes("all_to_all", ids, D, E, H, 2, ragged=True)
-    assert sent == 3 * 2 * H * 2 + (D - 1) * E * 4  # the busiest device's rows, there and back
-    assert bench_ep.sent_bytes("all_to_all", ids, 1, E, H, 2, ragged=True) == 0
+    sent = bench_ep.sent_bytes("all_to_all", ids, D, E, H, 16, 2, ragged=True)
+    assert sent == (3 * 2 * H * 2 + (D - 1) * E * 4,) * 2  # the busiest device's rows, there and back; mirrored
+    assert bench_ep.sent_bytes("all_to_all", ids, 1, E, H, 16, 2, ragged=True) == (0, 0)
+
+
+def test_data_parallel_bytes_are_the_ids_and_the_weight_gradients():
+    D, E, H, F, K = 4, 8, 16, 12, 2
+    ids = np.zeros((D * 5, K), np.int32)
+    fwd, bwd = bench_ep.sent_bytes("data_parallel", ids, D, E, H, F, 2, ragged=False)
+    assert fwd == (D - 1) * 5 * K * 4 + 2 * (D - 1) * E * 4 // D  # ids gathered; mean probabilities all-reduced
+    assert bwd == 2 * (D - 1) * 3 * E * H * F * 2 // D  # ring all-reduce of the w_in and w_out gradients
