@@ -47,6 +47,11 @@ for _platform, _module in _MODULES.items():
         )
 
 
+def targets() -> list[str]:
+    """The names of every FFI target registered here, on any platform."""
+    return sorted({target(op) for m in _MODULES.values() if m is not None for op in m.registrations()})
+
+
 def platforms() -> list[str]:
     """The lowering platforms that have compiled kernels."""
     return [p for p, m in _MODULES.items() if m is not None]
