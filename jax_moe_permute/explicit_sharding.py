@@ -76,5 +76,3 @@ def on_explicit_mesh(aval) -> bool:
 def sharded_explicitly(aval) -> bool:
     """Whether `aval` is sharded along an axis of such a mesh."""
     return on_explicit_mesh(aval) and any(s is not None for s in aval.sharding.spec)
-
-

@@ -77,8 +77,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
         if on_explicit_mesh(jax.typeof(lhs)):  # as our primitive: operands and result replicated
             lhs, rhs, group_sizes = (replicated(a) for a in (lhs, rhs, group_sizes))
             out_sharding = jax.typeof(lhs).sharding.update(spec=jax.sharding.PartitionSpec(None, None))
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type,
-                                  group_offset=group_offset, out_sharding=out_sharding)
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                  preferred_element_type=preferred_element_type, group_offset=group_offset,
+                                  out_sharding=out_sharding)
     out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
     out = ragged_dot_bind(lhs[None], rhs[None], group_sizes.astype(jnp.int32)[None], rhs_transposed=False,
                           out_dtype=out_dtype, precision=_hashable(precision))
