@@ -73,10 +73,11 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes)
     if group_offset is not None or lhs.dtype != rhs.dtype or lhs.dtype not in _PRIMITIVE_DTYPES:
-        out_sharding = None
-        if on_explicit_mesh(jax.typeof(lhs)):  # as our primitive: operands and result replicated
+        out_sharding = next((jax.typeof(a).sharding for a in (lhs, rhs, group_sizes) if on_explicit_mesh(jax.typeof(a))),
+                            None)
+        if out_sharding is not None:  # as our primitive: operands and result replicated
             lhs, rhs, group_sizes = (replicated(a) for a in (lhs, rhs, group_sizes))
-            out_sharding = jax.typeof(lhs).sharding.update(spec=jax.sharding.PartitionSpec(None, None))
+            out_sharding = out_sharding.update(spec=jax.sharding.PartitionSpec(None, None))
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
                                   preferred_element_type=preferred_element_type, group_offset=group_offset,
                                   out_sharding=out_sharding)
