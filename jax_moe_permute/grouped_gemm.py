@@ -73,8 +73,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes)
     if group_offset is not None or lhs.dtype != rhs.dtype or lhs.dtype not in _PRIMITIVE_DTYPES:
-        out_sharding = next((jax.typeof(a).sharding for a in (lhs, rhs, group_sizes) if on_explicit_mesh(jax.typeof(a))),
-                            None)
+        avals = [jax.typeof(a) for a in (lhs, rhs, group_sizes)]
+        out_sharding = next((a.sharding for a in avals if on_explicit_mesh(a)), None)
         if out_sharding is not None:  # as our primitive: operands and result replicated
             lhs, rhs, group_sizes = (replicated(a) for a in (lhs, rhs, group_sizes))
             out_sharding = out_sharding.update(spec=jax.sharding.PartitionSpec(None, None))
