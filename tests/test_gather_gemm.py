@@ -550,7 +550,10 @@ def test_gathered_wgrad_kernel_of_rhs(monkeypatch, dtype):
 @needs_gpu
 def test_layer_backward_takes_gathered_wgrad(monkeypatch):
     """jit(grad) of moe_mlp at fine-grained sizes reads x's rows in the first weight gradient (the
-    default), and its gradients equal those with the rows gathered again (MOE_GATHERED_WGRAD=0)."""
+    default), and its gradients equal those with the rows gathered again (MOE_GATHERED_WGRAD=0).
+    The second GEMM's backward keeps its composition here: its gathered form (MOE_DOWN_BACKWARD's
+    default at these sizes) reads ct's rows with the same kernel."""
+    monkeypatch.setenv("MOE_DOWN_BACKWARD", "composition")
     T, E, K, H, F = 512, 16, 4, 128, 128
     x, weights, ids, w_in, w_out = layer_inputs(T, E, K, H, F, "swiglu", jnp.bfloat16)
     ct = random_float((T, H), jnp.float32)
