@@ -90,20 +90,20 @@ def _batched_ragged_dot(lhs, rhs, group_sizes, dims, example_ndim, batch_axis, *
     B = max(a.shape[0] for a in (lhs, rhs, group_sizes))
     lhs, rhs = _common_dtype(lhs, rhs)
     operands = [lhs, rhs, group_sizes]
-    sharding = next(jax.typeof(a).sharding for a in operands if a.shape[0] == B)
-    explicit = on_explicit_mesh(jax.typeof(lhs))
+    avals = [jax.typeof(a) for a in operands]
+    mesh = next((a.sharding for a in avals if on_explicit_mesh(a)), None)  # a sharding on the explicit mesh
+    lead = next(a.sharding.spec[0] for a in avals if a.shape[0] == B) if mesh is not None else None
     call = functools.partial(jax.lax.ragged_dot_general, precision=precision, preferred_element_type=out_dtype)
     if B == 1:
-        out_sharding = sharding.update(spec=PartitionSpec(*(None,) * example_ndim)) if explicit else None
+        out_sharding = None if mesh is None else mesh.update(spec=PartitionSpec(*(None,) * example_ndim))
         return call(*(a[0] for a in operands), dims[0], out_sharding=out_sharding)[None]
     operands = [jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in operands]
     out_sharding = None
-    if explicit:
-        lead = sharding.spec[0]
-        operands = [resharded(a, (lead,) + (None,) * (a.ndim - 1), sharding) for a in operands]
+    if mesh is not None:
+        operands = [resharded(a, (lead,) + (None,) * (a.ndim - 1), mesh) for a in operands]
         spec = [None] * (example_ndim + 1)
         spec[batch_axis] = lead
-        out_sharding = sharding.update(spec=PartitionSpec(*spec))
+        out_sharding = mesh.update(spec=PartitionSpec(*spec))
     return jnp.moveaxis(call(*operands, dims[1], out_sharding=out_sharding), batch_axis, 0)
 
 

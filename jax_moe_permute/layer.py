@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from . import decode_mlp, down_backward, gather_gemm, ops, primitives
-from .explicit_sharding import over_token_shards, sharded_like
+from .explicit_sharding import over_token_shards, resharded, sharded_like
 from .grouped_gemm import ragged_dot, ragged_dot_stacked
 from .router_kernel import router_logits  # noqa: F401 - re-exported: layer.router_logits
 from .routing import check_routing_args
@@ -410,12 +410,12 @@ def expert_parallel(x, weights, ids, w_in, w_out, *, activation, num_experts, me
     specs = (tokens, tokens, tokens, experts, experts)
     args = (x, weights, ids, w_in, w_out)
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == jax.sharding.AxisType.Explicit
-    reshard = lambda a, spec: jax.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    on_mesh = jax.sharding.NamedSharding(mesh, P())
     if explicit:  # shard_map takes operands on Explicit axes only as its in_specs split them
-        args = tuple(reshard(a, spec) for a, spec in zip(args, specs))
+        args = tuple(resharded(a, spec, on_mesh) for a, spec in zip(args, specs))
     out = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
     if explicit and pad:  # the padding rows go from a replicated result: an uneven split has no slice
-        out = reshard(out, P(None, None))
+        out = resharded(out, (None, None), on_mesh)
     return out[:T]
 
 
