@@ -5,6 +5,11 @@ parameters (a SwiGLU of width top_k * ffn_size), trained for the same steps.
     python examples/train_moe_lm.py            # GPU-sized run
     python examples/train_moe_lm.py --tiny     # about a minute on two CPU cores (CI)
     python examples/train_moe_lm.py --token-rounding 128   # also an MoE with token rounding
+    python examples/train_moe_lm.py --data-parallel       # the batch split over every device
+
+With --data-parallel the batch is split over a mesh axis of type Explicit (`jax.make_mesh`'s
+default) spanning every device, the parameters replicated: each device runs the MoE layer on its
+own tokens, and jax all-reduces the gradients.
 
 Characters are UTF-8 bytes (vocabulary 256); the last 10% of the files are the validation split.
 Prints both models' validation bits per character and training tokens per second (the steps after
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_moe_permute import TokenRounding
 from jax_moe_permute.nnx import MoE
@@ -107,6 +113,15 @@ class Block(nnx.Module):
         return x + y, aux
 
 
+def embed_lookup(table, tokens):
+    """table[tokens]; where the tokens are split over Explicit mesh axes, the rows split the same
+    way (jax asks a gather indexed by a sharded array for its result's sharding)."""
+    sharding = jax.typeof(tokens).sharding
+    if all(s is None for s in sharding.spec):
+        return table[tokens]
+    return table.at[tokens].get(out_sharding=sharding.update(spec=P(*sharding.spec, None)))
+
+
 class LM(nnx.Module):
     def __init__(self, c: dict, moe: bool, *, rngs: nnx.Rngs, token_rounding=None):
         self.embed = nnx.Embed(256, c["width"], rngs=rngs)
@@ -116,7 +131,7 @@ class LM(nnx.Module):
 
     def __call__(self, tokens):
         """(logits, the RouterAux of each MoE layer)."""
-        x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+        x = embed_lookup(self.embed.embedding[...], tokens) + self.pos[...][: tokens.shape[1]]
         auxes = []
         for block in self.blocks:
             x, aux = block(x)
@@ -140,7 +155,17 @@ def loss_fn(model, x, y, aux_weight=1e-2, z_weight=1e-3):
     return ce + extra, ce
 
 
-def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: int = 10, token_rounding=None):
+def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: int = 10, token_rounding=None,
+          data_parallel: bool = False):
+    if data_parallel:  # the batch split over every device, everything else replicated
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            return _train(c, moe, train_data, val_data, seed, log_every, token_rounding,
+                          put=lambda a: jax.device_put(a, P("data")))
+    return _train(c, moe, train_data, val_data, seed, log_every, token_rounding, put=jnp.asarray)
+
+
+def _train(c, moe, train_data, val_data, seed, log_every, token_rounding, put):
     model = LM(c, moe, rngs=nnx.Rngs(seed), token_rounding=token_rounding)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, c["steps"] // 10), c["steps"], 3e-4)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
@@ -161,7 +186,7 @@ def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: in
     curve = []
     start = time.perf_counter()
     for i in range(c["steps"]):
-        ce = step(model, optimizer, *next(train_it))
+        ce = step(model, optimizer, *map(put, next(train_it)))
         if i == 0:  # the first step compiles: the rate counts the steps after it
             jax.block_until_ready(ce)
             compiled = time.perf_counter()
@@ -170,7 +195,7 @@ def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: in
     trained = time.perf_counter()
     tokens_per_s = (c["steps"] - 1) * c["batch"] * c["context"] / max(trained - compiled, 1e-9)
     val_it = batches(val_data, c["batch"], c["context"], np.random.default_rng(seed + 1))
-    val = float(np.mean([evaluate(model, *next(val_it)) for _ in range(32)]))
+    val = float(np.mean([evaluate(model, *map(put, next(val_it))) for _ in range(32)]))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return dict(curve=curve, val_bpc=val / math.log(2), seconds=time.perf_counter() - start, params=int(params),
                 compile_seconds=compiled - start, tokens_per_s=tokens_per_s)
@@ -201,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".", help="directory for train_moe_lm.png / .json")
     p.add_argument("--token-rounding", default="", metavar="TILE[:MODE]",
                    help="also train the MoE with TokenRounding(TILE, MODE) (nearest, up or down; default nearest)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="split the batch over every device (a mesh axis of type Explicit)")
     args = p.parse_args(argv)
     c = dict(CONFIGS["tiny" if args.tiny else "gpu"])
     if args.steps:
@@ -209,6 +236,10 @@ def main(argv=None) -> int:
         c["batch"] = args.batch
     train_data, val_data = load_corpus(c["corpus"])
     passes = c["steps"] * c["batch"] * c["context"] / len(train_data)
+    if args.data_parallel:
+        if c["batch"] % jax.device_count():
+            p.error(f"--data-parallel: the batch ({c['batch']}) must split evenly over {jax.device_count()} devices")
+        c["data_parallel_devices"] = jax.device_count()
     print(f"backend {jax.default_backend()}; corpus {len(train_data)} train / {len(val_data)} validation bytes; "
           f"{c['steps']} steps of {c['batch']} x {c['context']}: {passes:.2f} passes over the training bytes")
     runs = [("moe", True, None), ("dense", False, None)]
@@ -218,7 +249,8 @@ def main(argv=None) -> int:
         runs.insert(1, ("moe_rounded", True, TokenRounding(int(tile), mode or "nearest")))
     results = {}
     for name, moe, rounding in runs:
-        results[name] = r = train(c, moe, train_data, val_data, token_rounding=rounding)
+        results[name] = r = train(c, moe, train_data, val_data, token_rounding=rounding,
+                                  data_parallel=args.data_parallel)
         print(f"{name:11} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
               f"  val {r['val_bpc']:.3f} bpc  {r['tokens_per_s']:,.0f} tokens/s"
               f"  ({r['seconds']:.1f} s, first step {r['compile_seconds']:.1f} s)", flush=True)
