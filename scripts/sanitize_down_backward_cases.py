@@ -86,6 +86,8 @@ def main(names):
                         for a, b in zip((d_gate_up, d_w_parts.sum(axis=0)[:, None], w_h), want):
                             scale = max(np.abs(b).max(), 1.0)
                             np.testing.assert_allclose(a / scale, b / scale, atol=3e-2)
+                        print(f"case {np.dtype(dtype).name} {activation} H={H} F={F} sizes={sizes} "
+                              f"weighted={weighted} gathered={index is not None}: ok", flush=True)
     print("CASES DONE")
 
 
