@@ -20,6 +20,7 @@ JSON summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -156,16 +157,8 @@ def loss_fn(model, x, y, aux_weight=1e-2, z_weight=1e-3):
 
 
 def train(c: dict, moe: bool, train_data, val_data, seed: int = 0, log_every: int = 10, token_rounding=None,
-          data_parallel: bool = False):
-    if data_parallel:  # the batch split over every device, everything else replicated
-        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
-        with jax.set_mesh(mesh):
-            return _train(c, moe, train_data, val_data, seed, log_every, token_rounding,
-                          put=lambda a: jax.device_put(a, P("data")))
-    return _train(c, moe, train_data, val_data, seed, log_every, token_rounding, put=jnp.asarray)
-
-
-def _train(c, moe, train_data, val_data, seed, log_every, token_rounding, put):
+          put=jnp.asarray):
+    """Trains and evaluates one model; `put` places each batch (numpy) on the devices."""
     model = LM(c, moe, rngs=nnx.Rngs(seed), token_rounding=token_rounding)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, c["steps"] // 10), c["steps"], 3e-4)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
@@ -248,12 +241,16 @@ def main(argv=None) -> int:
         c["token_rounding"] = args.token_rounding
         runs.insert(1, ("moe_rounded", True, TokenRounding(int(tile), mode or "nearest")))
     results = {}
-    for name, moe, rounding in runs:
-        results[name] = r = train(c, moe, train_data, val_data, token_rounding=rounding,
-                                  data_parallel=args.data_parallel)
-        print(f"{name:11} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
-              f"  val {r['val_bpc']:.3f} bpc  {r['tokens_per_s']:,.0f} tokens/s"
-              f"  ({r['seconds']:.1f} s, first step {r['compile_seconds']:.1f} s)", flush=True)
+    put, mesh_scope = jnp.asarray, contextlib.nullcontext()
+    if args.data_parallel:  # the batch split over every device, everything else replicated
+        mesh_scope = jax.set_mesh(jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)))
+        put = lambda a: jax.device_put(a, P("data"))
+    with mesh_scope:
+        for name, moe, rounding in runs:
+            results[name] = r = train(c, moe, train_data, val_data, token_rounding=rounding, put=put)
+            print(f"{name:11} params {r['params']:>9}  train loss {r['curve'][0][1]:.3f} -> {r['curve'][-1][1]:.3f} nats"
+                  f"  val {r['val_bpc']:.3f} bpc  {r['tokens_per_s']:,.0f} tokens/s"
+                  f"  ({r['seconds']:.1f} s, first step {r['compile_seconds']:.1f} s)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_moe_lm.json"), "w") as f:
         json.dump(dict(config=c, results=results), f, indent=1)
